@@ -1,0 +1,1 @@
+"""Data: the built-in offline suite and its procedural renderer."""

@@ -1,0 +1,110 @@
+"""Procedural 32x32 RGB scenes: textured backgrounds, geometric shapes, bitmap glyphs.
+
+Every function is a pure function of its arguments and a `numpy.random.Generator`, so a suite
+generated from a seed is the same bytes on every machine. Images are float32 in [0, 1], HWC.
+"""
+
+import colorsys
+
+import numpy as np
+
+SIZE = 32
+_Y, _X = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
+
+TEXTURES = ('flat', 'stripes_h', 'stripes_v', 'stripes_diag', 'checker', 'dots')
+SHAPES = ('disk', 'square', 'triangle', 'plus', 'ring', 'ellipse', 'frame', 'half_disk')
+
+# 5x7 bitmaps of ten capital letters, one string per row.
+GLYPHS = {
+    'A': ('.###.', '#...#', '#...#', '#####', '#...#', '#...#', '#...#'),
+    'E': ('#####', '#....', '#....', '####.', '#....', '#....', '#####'),
+    'F': ('#####', '#....', '#....', '####.', '#....', '#....', '#....'),
+    'H': ('#...#', '#...#', '#...#', '#####', '#...#', '#...#', '#...#'),
+    'K': ('#...#', '#..#.', '#.#..', '##...', '#.#..', '#..#.', '#...#'),
+    'L': ('#....', '#....', '#....', '#....', '#....', '#....', '#####'),
+    'N': ('#...#', '##..#', '#.#.#', '#..##', '#...#', '#...#', '#...#'),
+    'T': ('#####', '..#..', '..#..', '..#..', '..#..', '..#..', '..#..'),
+    'X': ('#...#', '#...#', '.#.#.', '..#..', '.#.#.', '#...#', '#...#'),
+    'Z': ('#####', '....#', '...#.', '..#..', '.#...', '#....', '#####'),
+}
+
+
+def random_color(rng: np.random.Generator, hue: float | None = None) -> np.ndarray:
+  """A saturated RGB colour; a random hue unless one (in [0, 1)) is given."""
+  hue = rng.uniform() if hue is None else hue
+  return np.array(colorsys.hsv_to_rgb(hue % 1.0, rng.uniform(0.55, 1.0), rng.uniform(0.6, 1.0)),
+                  np.float32)
+
+
+def texture(rng: np.random.Generator, kind: str, contrast: float = 0.25) -> np.ndarray:
+  """A background of one of `TEXTURES`, two muted colours at a random period and phase."""
+  base = rng.uniform(0.15, 0.6, size=3).astype(np.float32)
+  other = np.clip(base + rng.choice([-1, 1]) * contrast * rng.uniform(0.7, 1.3, size=3), 0, 1)
+  period = rng.uniform(4.0, 8.0)
+  phase = rng.uniform(0, period)
+  if kind == 'flat':
+    pattern = np.zeros((SIZE, SIZE), np.float32)
+  elif kind == 'stripes_h':
+    pattern = ((_Y + phase) % period) < period / 2
+  elif kind == 'stripes_v':
+    pattern = ((_X + phase) % period) < period / 2
+  elif kind == 'stripes_diag':
+    pattern = ((_X + _Y + phase) % period) < period / 2
+  elif kind == 'checker':
+    pattern = (((_X + phase) // (period / 2)) + ((_Y + phase) // (period / 2))) % 2 == 0
+  elif kind == 'dots':
+    cx, cy = (_X + phase) % period - period / 2, (_Y + phase) % period - period / 2
+    pattern = cx**2 + cy**2 < (period / 4) ** 2
+  else:
+    raise ValueError(f'unknown texture {kind!r}; known: {TEXTURES}')
+  pattern = np.asarray(pattern, np.float32)[..., None]
+  return base * (1 - pattern) + other * pattern
+
+
+def shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float = 0.0) -> np.ndarray:
+  """A (SIZE, SIZE) float mask of a shape centred at (cx, cy), rotated by `angle` radians."""
+  dx, dy = _X - cx, _Y - cy
+  u = np.cos(angle) * dx + np.sin(angle) * dy
+  v = -np.sin(angle) * dx + np.cos(angle) * dy
+  r = radius
+  if kind == 'disk':
+    mask = u**2 + v**2 <= r**2
+  elif kind == 'square':
+    mask = np.maximum(np.abs(u), np.abs(v)) <= 0.8 * r
+  elif kind == 'triangle':
+    mask = (v <= 0.5 * r) & (np.abs(u) * 1.732 <= v + r)
+  elif kind == 'plus':
+    mask = ((np.abs(u) <= r / 3) & (np.abs(v) <= r)) | ((np.abs(v) <= r / 3) & (np.abs(u) <= r))
+  elif kind == 'ring':
+    mask = ((u**2 + v**2) <= r**2) & ((u**2 + v**2) >= (0.55 * r) ** 2)
+  elif kind == 'ellipse':
+    mask = u**2 + (2 * v) ** 2 <= r**2
+  elif kind == 'frame':
+    box = np.maximum(np.abs(u), np.abs(v))
+    mask = (box <= 0.85 * r) & (box >= 0.45 * r)
+  elif kind == 'half_disk':
+    mask = (u**2 + v**2 <= r**2) & (v >= 0)
+  elif kind == 'bar':
+    mask = (np.abs(u) <= r) & (np.abs(v) <= max(1.0, r / 6))
+  else:
+    raise ValueError(f'unknown shape {kind!r}; known: {SHAPES + ("bar",)}')
+  return mask.astype(np.float32)
+
+
+def glyph_mask(letter: str, x0: int, y0: int, scale: int) -> np.ndarray:
+  """A (SIZE, SIZE) mask of a 5x7 bitmap letter drawn with `scale`-pixel cells from (x0, y0)."""
+  bitmap = np.array([[c == '#' for c in row] for row in GLYPHS[letter]], np.float32)
+  cells = np.kron(bitmap, np.ones((scale, scale), np.float32))
+  mask = np.zeros((SIZE, SIZE), np.float32)
+  h, w = cells.shape
+  mask[y0:y0 + h, x0:x0 + w] = cells[:SIZE - y0, :SIZE - x0]
+  return mask
+
+
+def paint(image: np.ndarray, mask: np.ndarray, color: np.ndarray) -> np.ndarray:
+  """`image` with `color` laid over where `mask` is set."""
+  return image * (1 - mask[..., None]) + color * mask[..., None]
+
+
+def add_noise(rng: np.random.Generator, image: np.ndarray, scale: float = 0.03) -> np.ndarray:
+  return np.clip(image + rng.normal(0, scale, image.shape), 0, 1).astype(np.float32)

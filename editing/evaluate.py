@@ -1,0 +1,136 @@
+"""Evaluation: accuracy, and the task-arithmetic protocols of Ilharco et al. (ICLR 2023).
+
+One `Evaluator` serves every edit: it scores θ = θ0 + α·τ through a regime's encoder, so linear
+task vectors are judged on the linearized model and non-linear ones on the model.
+
+- Task addition: θ0 + α·Σ_t τ_t; α on a grid chosen on validation by mean normalized accuracy
+  (accuracy / the same regime's single-task fine-tuned accuracy); test accuracy reported there.
+- Task negation: θ0 − α·τ_t; α minimises target validation accuracy while the control task keeps
+  ≥ `threshold` × the pretrained control accuracy; target and control test accuracy reported.
+"""
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from editing import sharding as sharding_lib
+from editing.data.suite import Dataset
+from editing.models import head as head_lib
+from editing.regimes.base import Encoder
+from editing.task_vector import TaskVector
+
+PyTree = Any
+
+
+def alpha_grid(step: float = 0.05, stop: float = 1.0) -> list[float]:
+  """0, step, ..., stop, rounded so that 0.15 prints as 0.15."""
+  return [round(i * step, 10) for i in range(int(round(stop / step)) + 1)]
+
+
+class Evaluator:
+  """Predictions of encoder + frozen cosine head, in fixed-size sharded batches (one compile)."""
+
+  def __init__(self, encoder: Encoder, *, logit_scale: float, mesh: jax.sharding.Mesh,
+               batch_size: int):
+    sharding_lib.check_batch_size(mesh, batch_size, 'eval batch_size')
+    self._batch_size = batch_size
+    self._batch = sharding_lib.batch_sharding(mesh)
+    self._encode = jax.jit(encoder, out_shardings=self._batch)
+    self._predict = jax.jit(
+        lambda theta0, params, head, images: jnp.argmax(
+            head_lib.logits(encoder(theta0, params, images), head, logit_scale), axis=-1),
+        out_shardings=self._batch)
+    self._apply = jax.jit(lambda theta0, vector, alpha: vector.apply_to(theta0, alpha))
+
+  def _batched(self, fn, data: Dataset) -> np.ndarray:
+    outputs = []
+    for start in range(0, len(data), self._batch_size):
+      idx = np.arange(start, min(start + self._batch_size, len(data)))
+      images, _ = data.batch(idx)
+      padded = np.zeros((self._batch_size,) + images.shape[1:], images.dtype)
+      padded[:len(idx)] = images
+      outputs.append(np.asarray(fn(jax.device_put(padded, self._batch)))[:len(idx)])
+    return np.concatenate(outputs)
+
+  def features(self, theta0: PyTree, params: PyTree, data: Dataset) -> np.ndarray:
+    return self._batched(lambda x: self._encode(theta0, params, x), data)
+
+  def predictions(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> np.ndarray:
+    return self._batched(lambda x: self._predict(theta0, params, head, x), data)
+
+  def accuracy(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> float:
+    return float(np.mean(self.predictions(theta0, params, head, data) == data.labels))
+
+  def edit(self, theta0: PyTree, vector: TaskVector, alpha: float) -> PyTree:
+    """θ0 + α·τ, jitted once for every α."""
+    return self._apply(theta0, vector, jnp.float32(alpha))
+
+
+def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
+                  heads: Mapping[str, Any], val: Mapping[str, Dataset],
+                  test: Mapping[str, Dataset], finetuned: Mapping[str, Mapping[str, float]],
+                  alphas: Sequence[float]) -> dict:
+  """Task addition with α chosen on validation by mean normalized accuracy.
+
+  Args:
+    evaluator: scores edited params.
+    theta0: the pretrained params.
+    vector: the multi-task vector (a sum or a merge) to add.
+    heads, val, test: per task name, its frozen head and its splits.
+    finetuned: per task, {'val': acc, 'test': acc} of its own single-task fine-tuned model,
+      the denominators of normalized accuracy.
+    alphas: the grid; ties go to the smallest α.
+
+  Returns:
+    {'alpha', 'test', 'normalized_test', 'mean_test', 'mean_normalized_test', 'curve'}, where
+    curve lists, per α, validation accuracies and their mean normalized accuracy.
+  """
+  names = list(heads)
+  curve = []
+  for alpha in alphas:
+    params = evaluator.edit(theta0, vector, alpha)
+    accs = {t: evaluator.accuracy(theta0, params, heads[t], val[t]) for t in names}
+    normalized = float(np.mean([accs[t] / finetuned[t]['val'] for t in names]))
+    curve.append({'alpha': alpha, 'val': accs, 'normalized_val': normalized})
+  best = max(curve, key=lambda point: point['normalized_val'])
+  params = evaluator.edit(theta0, vector, best['alpha'])
+  accs = {t: evaluator.accuracy(theta0, params, heads[t], test[t]) for t in names}
+  normalized = {t: accs[t] / finetuned[t]['test'] for t in names}
+  return {'alpha': best['alpha'], 'test': accs, 'normalized_test': normalized,
+          'mean_test': float(np.mean(list(accs.values()))),
+          'mean_normalized_test': float(np.mean(list(normalized.values()))), 'curve': curve}
+
+
+def task_negation(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *, head,
+                  val: Dataset, test: Dataset, control_head, control_val: Dataset,
+                  control_test: Dataset, alphas: Sequence[float],
+                  threshold: float = 0.95) -> dict:
+  """Task negation θ0 − α·τ with α chosen on validation under the control constraint.
+
+  α minimises the target's validation accuracy among the α whose control validation accuracy
+  is at least `threshold` × the pretrained model's; `alphas` must hold 0, which always
+  qualifies. Ties go to the smallest α.
+
+  Returns:
+    {'alpha', 'target_test', 'control_test', 'curve'}; curve lists per α the target and
+    control validation accuracies.
+  """
+  if 0 not in alphas:
+    raise ValueError(f'the negation grid must contain alpha=0 (the pretrained model): {alphas}')
+  negated = -vector
+  curve = []
+  for alpha in alphas:
+    params = evaluator.edit(theta0, negated, alpha)
+    curve.append({'alpha': alpha,
+                  'target_val': evaluator.accuracy(theta0, params, head, val),
+                  'control_val': evaluator.accuracy(theta0, params, control_head, control_val)})
+  floor = threshold * next(p['control_val'] for p in curve if p['alpha'] == 0)
+  feasible = [p for p in curve if p['control_val'] >= floor]
+  best = min(feasible, key=lambda point: point['target_val'])
+  params = evaluator.edit(theta0, negated, best['alpha'])
+  return {'alpha': best['alpha'],
+          'target_test': evaluator.accuracy(theta0, params, head, test),
+          'control_test': evaluator.accuracy(theta0, params, control_head, control_test),
+          'curve': curve}

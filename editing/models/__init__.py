@@ -1,0 +1,1 @@
+"""Models: Flax linen encoders and the frozen heads that read their embeddings."""

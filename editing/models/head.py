@@ -1,0 +1,39 @@
+"""Frozen classification heads: the offline analogue of CLIP's zero-shot text heads.
+
+A head is a (num_classes, embed_dim) matrix of unit class directions fitted on θ0: the mean
+μ_c of the L2-normalised pretrained embeddings of class c on the task's training split, minus
+the mean of those class means, normalised,
+
+  w_c = (μ_c − mean_c' μ_c') / ‖μ_c − mean_c' μ_c'‖.
+
+Logits are cosine similarities times a fixed scale, as in CLIP (``logit_scale · ⟨f̂(x), w_c⟩``).
+Centring matters: the raw class means of one task are nearly parallel (cosine ≈ 0.99 on the
+suite), so their logits would barely differ and fine-tuning through them would stall; the
+centred directions keep the nearest-mean ranking up to a per-class scale and spread the logits.
+Heads are never trained, so task vectors cover the backbone only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _normalize(x, axis=-1):
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), 1e-12)
+
+
+def fit_prototypes(features: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
+  """Unit-norm centred class means of unit-norm features; an error if a class has no example."""
+  features = np.asarray(_normalize(jnp.asarray(features, jnp.float32)))
+  counts = np.bincount(labels, minlength=num_classes)
+  if (counts == 0).any():
+    raise ValueError(f'classes {np.flatnonzero(counts == 0).tolist()} have no training example')
+  sums = np.zeros((num_classes, features.shape[-1]), np.float32)
+  np.add.at(sums, labels, features)
+  means = sums / counts[:, None]
+  return np.asarray(_normalize(jnp.asarray(means - means.mean(axis=0))))
+
+
+def logits(features: jax.Array, head: jax.Array, logit_scale: float) -> jax.Array:
+  """logit_scale · cos(f(x), w_c) for every class c (rows of `head` need not be unit norm)."""
+  return logit_scale * _normalize(features.astype(jnp.float32)) @ _normalize(head).T

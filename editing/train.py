@@ -1,0 +1,244 @@
+"""The one training loop: pretraining and every fine-tuning regime go through `train`.
+
+What varies between jobs comes in as data: a loss function over the full params tree, which
+leaves are trainable, and an optimizer built from the config. The loop owns what must be right
+once: a jitted step with explicit shardings and donated state, stateless batch order (a pure
+function of the step), orbax checkpoints of params, optimizer state, step and RNG so that a run
+killed anywhere and restarted finishes with bit-identical params, SIGTERM handling, a non-finite
+loss check, progress on the console, and metrics as JSONL and TensorBoard events.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from editing import checkpoint
+from editing import sharding as sharding_lib
+from editing import tree as tree_lib
+from editing.data.suite import Dataset, batch_indices
+
+PyTree = Any
+# loss_fn(params, consts, images, labels, rng) -> (scalar loss, dict of scalar metrics)
+LossFn = Callable[[PyTree, PyTree, jax.Array, jax.Array, jax.Array], tuple[jax.Array, dict]]
+
+
+class Preempted(Exception):
+  """Raised after a SIGTERM once the state is checkpointed; rerun the same command to resume."""
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: dict[str, jax.Array]  # trainable leaves only, keyed by path
+  opt_state: optax.OptState
+  rng: jax.Array
+
+
+def optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW on a linear-warmup cosine schedule after global-norm clipping."""
+  return optax.chain(
+      optax.clip_by_global_norm(config.grad_clip),
+      optax.adamw(learning_rate(config), weight_decay=config.weight_decay))
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+  warmup = min(config.warmup_steps, config.steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup,
+                                            max(config.steps, warmup + 1))
+
+
+class _SigtermFlag:
+  """Notes a SIGTERM so the loop can checkpoint before it exits (a preemption notice)."""
+
+  def __init__(self):
+    self.raised = False
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.raised = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+class _MetricWriter:
+  """One JSON line and one TensorBoard scalar per metric; drops lines past a resumed step."""
+
+  def __init__(self, workdir: str, resumed_step: int):
+    self._path = os.path.join(workdir, 'metrics.jsonl')
+    if os.path.exists(self._path):
+      with open(self._path) as f:
+        kept = [line for line in f if _logged_step(line) <= resumed_step]
+      checkpoint.atomic_write_bytes(self._path, ''.join(kept).encode())
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=resumed_step + 1)
+    self._file = open(self._path, 'a')
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    self._file.write(json.dumps({'step': step, **metrics}) + '\n')
+    self._file.flush()
+    for name, value in metrics.items():
+      self._tb.add_scalar(name, value, step)
+
+  def close(self) -> None:
+    self._file.close()
+    self._tb.close()
+
+
+class Prepared(NamedTuple):
+  """Everything a loop needs: the initial state, the jitted step and its constant inputs."""
+
+  state: TrainState
+  frozen: dict[str, jax.Array]
+  consts: PyTree
+  step: Callable  # step(state, frozen, consts, images, labels) -> (state, metrics)
+  batch_sharding: jax.sharding.NamedSharding
+
+
+def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
+            trainable: dict[str, bool], consts: PyTree, mesh: jax.sharding.Mesh,
+            sharding_rules=sharding_lib.REPLICATED_RULES) -> Prepared:
+  """Places params on the mesh, splits trainable from frozen leaves and jits the step.
+
+  The step differentiates only the trainable leaves, so frozen ones cost no backward pass and
+  hold no optimizer state; the state is donated, and every input and output has an explicit
+  sharding (params by `sharding_rules`, batches over 'data', the rest replicated).
+  """
+  sharding_lib.check_batch_size(mesh, config.batch_size)
+  flat = tree_lib.flatten(params)
+  if trainable.keys() != flat.keys():
+    raise ValueError(f'trainable marks {sorted(trainable.keys() ^ flat.keys())[:3]}..., which '
+                     'are not exactly the params leaves')
+  if not any(trainable.values()):
+    raise ValueError('no parameter is trainable')
+  flat_shardings = tree_lib.flatten(
+      sharding_lib.param_shardings(mesh, params, sharding_rules))
+  trained = {p: v for p, v in flat.items() if trainable[p]}
+  frozen = {p: v for p, v in flat.items() if not trainable[p]}
+  trained = jax.device_put(trained, {p: flat_shardings[p] for p in trained})
+  frozen = jax.device_put(frozen, {p: flat_shardings[p] for p in frozen})
+  consts = jax.device_put(consts, sharding_lib.replicated(mesh))
+
+  tx = optimizer(config)
+  schedule = learning_rate(config)
+  init = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
+                                      jax.random.PRNGKey(config.seed)))
+  state = init(trained)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+
+  def step_fn(state, frozen, consts, images, labels):
+    rng, step_rng = jax.random.split(state.rng)
+
+    def loss_of_trained(trained):
+      return loss_fn(tree_lib.unflatten({**trained, **frozen}), consts, images, labels, step_rng)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
+                           rng)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                   learning_rate=schedule(state.step))
+    return new_state, metrics
+
+  batch = sharding_lib.batch_sharding(mesh)
+  step_jit = jax.jit(
+      step_fn, donate_argnums=(0,),
+      in_shardings=(state_shardings, jax.tree.map(lambda x: x.sharding, frozen),
+                    sharding_lib.replicated(mesh), batch, batch),
+      out_shardings=(state_shardings, sharding_lib.replicated(mesh)))
+  return Prepared(state, frozen, consts, step_jit, batch)
+
+
+def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
+          trainable: dict[str, bool], consts: PyTree, data: Dataset, workdir: str,
+          mesh: jax.sharding.Mesh, sharding_rules=sharding_lib.REPLICATED_RULES) -> PyTree:
+  """Trains the `trainable` leaves of `params` on `data`, resuming from `workdir` if possible.
+
+  Args:
+    config: steps, batch_size, learning_rate, weight_decay, warmup_steps, grad_clip, seed,
+      checkpoint_every, log_every.
+    loss_fn: loss_fn(params, consts, images, labels, rng) -> (loss, metrics).
+    params: the full initial params tree.
+    trainable: {path: bool}; frozen leaves are never differentiated and get no optimizer state.
+    consts: arrays the loss reads but never trains (e.g. θ0, a frozen head), as jit arguments.
+    data: the training set.
+    workdir: where checkpoints, metrics.jsonl and TensorBoard events go.
+    mesh: the device mesh; batches are split over its 'data' axis.
+    sharding_rules: (regex, partition spec) pairs placing the params; first match wins.
+
+  Returns:
+    The full params tree after `config.steps` steps (frozen leaves are the inputs, untouched).
+  """
+  state, frozen, consts, step_jit, batch = prepare(
+      config, loss_fn=loss_fn, params=params, trainable=trainable, consts=consts, mesh=mesh,
+      sharding_rules=sharding_rules)
+  os.makedirs(workdir, exist_ok=True)
+  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'),
+                            save_every=config.checkpoint_every)
+  restored = checkpoint.restore_latest(mngr, state)
+  if restored is not None:
+    state = restored
+    logging.info('resumed from step %d in %s', int(state.step), workdir)
+  start = int(state.step)
+  writer = _MetricWriter(workdir, start)
+  timer = (time.time(), start)
+  try:
+    with _SigtermFlag() as sigterm:
+      for step in range(start, config.steps):
+        idx = batch_indices(len(data), config.batch_size, step, config.seed)
+        images, labels = jax.device_put(data.batch(idx), batch)
+        state, metrics = step_jit(state, frozen, consts, images, labels)
+        done = step + 1
+        mngr.save(done, args=checkpoint.ocp.args.StandardSave(state),
+                  force=done == config.steps or sigterm.raised)
+        if done % config.log_every == 0 or done == config.steps:
+          metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          if not np.isfinite(metrics['loss']):
+            raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {done} in '
+                                     f'{workdir}; lower finetune.learning_rate or check the data')
+          timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
+          writer.write(done, metrics)
+        if sigterm.raised:
+          mngr.wait_until_finished()
+          raise Preempted(f'SIGTERM: saved step {done} in {workdir}; rerun to resume')
+  finally:
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+  return tree_lib.unflatten({**jax.device_get(state.params), **jax.device_get(frozen)})
+
+
+def _logged_step(line: str) -> float:
+  """The step of a metrics line; a line cut short by a kill counts as past any step."""
+  try:
+    return json.loads(line)['step']
+  except (json.JSONDecodeError, KeyError):
+    return float('inf')
+
+
+def _log_progress(step, total, batch_size, metrics, timer):
+  then, then_step = timer
+  now = time.time()
+  rate = (step - then_step) / max(now - then, 1e-9)
+  eta = (total - step) / max(rate, 1e-9)
+  logging.info('step %d/%d  loss %.4f  %.0f img/s  eta %dm%02ds', step, total, metrics['loss'],
+               rate * batch_size, eta // 60, eta % 60)
+  return now, step

@@ -1,0 +1,98 @@
+"""Pytree paths: stable '/'-joined keys, regex leaf selection, structure checks, fingerprints.
+
+Every leaf of a params tree is named by its path, e.g. ``blocks_0/attn/query/kernel``. Selection
+by path pattern (first matching rule wins, as in big_vision) is how regimes, masks and sharding
+rules pick leaves, and the same names key safetensors files.
+"""
+
+import hashlib
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+
+def path_str(path) -> str:
+  """'/'-joined name of a key path from `jax.tree_util`."""
+  parts = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts.append(str(key.key))
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      parts.append(key.name)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+    else:
+      parts.append(str(key))
+  return '/'.join(parts)
+
+
+def flatten(tree: PyTree) -> dict[str, Any]:
+  """{path: leaf} in traversal order."""
+  return {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+  """Nested dicts from {path: leaf}; the inverse of `flatten` for dict trees."""
+  tree: dict = {}
+  for path, leaf in flat.items():
+    *parents, name = path.split('/')
+    node = tree
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[name] = leaf
+  return tree
+
+
+def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree, *rest: PyTree) -> PyTree:
+  """`jax.tree.map` whose function also receives the leaf's '/'-joined path first."""
+  return jax.tree_util.tree_map_with_path(lambda p, *x: fn(path_str(p), *x), tree, *rest)
+
+
+def first_match(path: str, rules: Sequence[tuple[str, Any]]) -> Any:
+  """The value of the first (regex, value) rule whose regex fully matches `path`."""
+  for pattern, value in rules:
+    if re.fullmatch(pattern, path):
+      return value
+  raise KeyError(f'no rule matches parameter {path!r}; rules: {[r for r, _ in rules]}')
+
+
+def select(tree: PyTree, patterns: Iterable[str]) -> dict[str, bool]:
+  """{path: True if some regex in `patterns` fully matches it}. Unused patterns are an error."""
+  patterns = list(patterns)
+  paths = list(flatten(tree))
+  unused = [p for p in patterns if not any(re.fullmatch(p, path) for path in paths)]
+  if unused:
+    raise ValueError(f'pattern(s) {unused} match no parameter; parameters look like {paths[:4]}')
+  return {path: any(re.fullmatch(p, path) for p in patterns) for path in paths}
+
+
+def first_mismatch(a: PyTree, b: PyTree) -> str | None:
+  """The first path at which two trees differ in structure or shape; None if they agree."""
+  flat_a, flat_b = flatten(a), flatten(b)
+  for path in list(flat_a) + [p for p in flat_b if p not in flat_a]:
+    if path not in flat_a:
+      return f'{path} (only in the second tree)'
+    if path not in flat_b:
+      return f'{path} (only in the first tree)'
+    x, y = flat_a[path], flat_b[path]
+    if np.shape(x) != np.shape(y):
+      return f'{path} (shape {np.shape(x)} vs {np.shape(y)})'
+  return None
+
+
+def fingerprint(tree: PyTree) -> str:
+  """A short hex digest of paths, shapes, dtypes and values: identifies a base model."""
+  digest = hashlib.sha256()
+  for path, leaf in sorted(flatten(tree).items()):
+    array = np.asarray(leaf)
+    digest.update(f'{path}:{array.shape}:{array.dtype};'.encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def num_params(tree: PyTree) -> int:
+  return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))

@@ -1,0 +1,1 @@
+"""absl apps: pretrain, finetune, evaluate, quickstart, benchmark."""

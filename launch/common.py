@@ -1,0 +1,153 @@
+"""What the launch jobs share: the workdir layout, config checks, the model, the suite's tasks.
+
+One experiment lives in one workdir:
+
+  <workdir>/pretrain/                      training state, metrics, params.safetensors
+  <workdir>/pretrain/heads/<task>.safetensors   frozen heads fitted on θ0
+  <workdir>/finetune/<regime>/<task>/      training state, metrics, task_vector.safetensors
+  <workdir>/results.json, report.md, *.png
+"""
+
+import json
+import logging as std_logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from absl import flags, logging
+from ml_collections import config_flags
+
+from editing import checkpoint
+from editing import evaluate
+from editing import regimes
+from editing import sharding
+from editing.data import suite
+from editing.models import head as head_lib
+from editing.models import vit
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              'configs', 'quickstart.py')
+DEFAULT_WORKDIR = os.path.join('workdir', 'quickstart')
+
+# Every job reads the experiment's config and workdir; defined once here for all of them.
+CONFIG = config_flags.DEFINE_config_file(
+    'config', DEFAULT_CONFIG, 'experiment config: path[:arg], e.g. configs/quickstart.py:tiny',
+    lock_config=True)
+WORKDIR = flags.DEFINE_string('workdir', DEFAULT_WORKDIR, 'experiment directory')
+
+
+def quiet_checkpointer_logs() -> None:
+  """Keeps orbax's per-save INFO lines off the console; its warnings and errors still show."""
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= std_logging.WARNING or 'orbax' not in record.pathname)
+
+
+def pretrain_dir(workdir: str) -> str:
+  return os.path.join(workdir, 'pretrain')
+
+
+def pretrained_file(workdir: str) -> str:
+  return os.path.join(pretrain_dir(workdir), 'params.safetensors')
+
+
+def head_file(workdir: str, task: str) -> str:
+  return os.path.join(pretrain_dir(workdir), 'heads', f'{task}.safetensors')
+
+
+def finetune_dir(workdir: str, regime: str, task: str) -> str:
+  return os.path.join(workdir, 'finetune', regime, task)
+
+
+def task_vector_file(workdir: str, regime: str, task: str) -> str:
+  return os.path.join(finetune_dir(workdir, regime, task), 'task_vector.safetensors')
+
+
+def tasks(config: ml_collections.ConfigDict) -> list[str]:
+  """The downstream tasks named by `config.suite.tasks`, validated."""
+  names = [t.strip() for t in config.suite.tasks.split(',') if t.strip()]
+  unknown = [t for t in names if t not in suite.DOWNSTREAM_TASKS]
+  if unknown or not names:
+    raise ValueError(f'config.suite.tasks: unknown task(s) {unknown or names}; choose from '
+                     f'{",".join(suite.DOWNSTREAM_TASKS)}')
+  return names
+
+
+def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:
+  size = config.suite.pretrain_size if name == suite.CONTROL_TASK else config.suite.train_size
+  return suite.load_task(name, seed=config.suite.seed, train_size=size,
+                         test_size=config.suite.test_size, val_fraction=config.suite.val_fraction)
+
+
+def mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  return sharding.make_mesh(config.num_devices or None)
+
+
+def suite_settings(config: ml_collections.ConfigDict, *names: str) -> dict:
+  """The named `config.suite` fields, for recording what a job's data depended on."""
+  return {name: config.suite[name] for name in ('seed', 'val_fraction', 'test_size') + names}
+
+
+def use_compilation_cache(workdir: str) -> None:
+  """Keeps compiled programs in <workdir>/.jax_cache.
+
+  Each fine-tune builds its own jitted step, identical to the last one but for its inputs' values;
+  with the cache only the first task pays for compilation, and reruns pay for none.
+  """
+  jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
+                                                                              '.jax_cache')))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def check_job_config(directory: str, sections: dict[str, Any]) -> None:
+  """Records the config a job directory was made with; a different config is an error.
+
+  Finished or half-finished work is reused only when it was made with the same settings.
+  """
+  path = os.path.join(directory, 'job_config.json')
+  current = json.loads(json.dumps(sections, sort_keys=True, default=str))
+  if os.path.exists(path):
+    with open(path) as f:
+      recorded = json.load(f)
+    if recorded != current:
+      differing = sorted(k for k in recorded.keys() | current.keys()
+                         if recorded.get(k) != current.get(k))
+      raise ValueError(f'{directory} was made with a different config (config.{differing[0]} '
+                       f'differs: {recorded.get(differing[0])} then, {current.get(differing[0])} '
+                       f'now); use another --workdir')
+    return
+  checkpoint.atomic_write_json(path, current)
+
+
+def model(config_model: ml_collections.ConfigDict | dict):
+  """(the encoder module, apply_fn(params, images))."""
+  module = vit.build(ml_collections.ConfigDict(dict(config_model)))
+  return module, lambda params, images: module.apply({'params': params}, images)
+
+
+def load_pretrained(workdir: str):
+  """(θ0, apply_fn) from <workdir>/pretrain/params.safetensors, built from its own metadata."""
+  path = pretrained_file(workdir)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no pretrained backbone at {path}; run launch.pretrain (or '
+                            'launch.quickstart) with this --workdir first')
+  params, meta = checkpoint.load_tree(path)
+  _, apply_fn = model(meta['model'])
+  return params, apply_fn
+
+
+def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> evaluate.Evaluator:
+  encoder = regimes.get(regime_name).encoder(apply_fn)
+  return evaluate.Evaluator(encoder, logit_scale=config.head.logit_scale, mesh=mesh(config),
+                            batch_size=config.eval.batch_size)
+
+
+def head(config: ml_collections.ConfigDict, workdir: str, task: suite.Task, theta0,
+         apply_fn) -> jax.Array:
+  """The task's frozen prototype head on θ0, fitted once and cached in the workdir."""
+  path = head_file(workdir, task.name)
+  if not os.path.exists(path):
+    features = evaluator(config, apply_fn, 'full').features(theta0, theta0, task.train)
+    checkpoint.save_tree(path, {'head': head_lib.fit_prototypes(
+        features, task.train.labels, task.num_classes)})
+  return checkpoint.load_tree(path)[0]['head']

@@ -1,0 +1,51 @@
+r"""The whole chain on the built-in suite: pretrain (once), fine-tune every task, evaluate.
+
+  pip install -e . && python -m launch.quickstart
+
+Finished work in the workdir (pretrained backbone, task vectors) is reused on a rerun, and an
+interrupted fine-tune resumes from its last checkpoint. Prints the addition/negation table and
+writes <workdir>/results.json, report.md and alpha_curves.png.
+"""
+
+import time
+
+import ml_collections
+from absl import app, logging
+
+from editing import checkpoint
+from launch import common
+from launch import evaluate
+from launch import finetune
+from launch import pretrain
+
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  names = common.tasks(config)
+  timings = {}
+  start = time.time()
+  pretrain.run(config, workdir)
+  timings['pretrain'] = time.time() - start
+  for i, task in enumerate(names):
+    logging.info('fine-tuning %s (%d/%d)', task, i + 1, len(names))
+    finetune.run(config, workdir, task)
+  timings['finetune'] = time.time() - start - timings['pretrain']
+  results = evaluate.run(config, workdir)
+  timings['evaluate'] = time.time() - start - timings['pretrain'] - timings['finetune']
+  timings['total'] = time.time() - start
+  results['seconds'] = timings
+  checkpoint.atomic_write_json(f'{workdir}/results.json', results)
+  logging.info('quickstart took %.0f s (%s); results in %s', timings['total'],
+               ', '.join(f'{k} {v:.0f} s' for k, v in timings.items()), workdir)
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  common.quiet_checkpointer_logs()
+  run(common.CONFIG.value, common.WORKDIR.value)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,25 @@
+"""Shared fixtures. Tests run on the CPU; multi-device tests start their own processes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(args, *, env=None, timeout=600, check=True) -> subprocess.CompletedProcess:
+  """Runs `python args...` from the repository root and returns the finished process."""
+  full_env = dict(os.environ, **(env or {}))
+  full_env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, full_env.get('PYTHONPATH')]))
+  proc = subprocess.run([sys.executable] + list(args), cwd=REPO, env=full_env,
+                        capture_output=True, text=True, timeout=timeout)
+  if check and proc.returncode:
+    raise AssertionError(f'{args} exited {proc.returncode}:\n{proc.stderr[-4000:]}')
+  return proc
+
+
+@pytest.fixture(name='run_python')
+def run_python_fixture():
+  return run_python

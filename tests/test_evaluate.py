@@ -1,0 +1,88 @@
+"""The evaluation protocols: α selection for addition and negation, and batched accuracy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from editing import evaluate
+from editing import sharding
+from editing.data.suite import Dataset
+from editing.task_vector import TaskVector
+
+
+class ScalarModelEvaluator:
+  """An evaluator over a one-number model θ: accuracy(θ, head) = head(θ); edit is θ0 + α·τ."""
+
+  def edit(self, theta0, vector, alpha):
+    return vector.apply_to(theta0, alpha)
+
+  def accuracy(self, theta0, params, head, data):
+    del theta0
+    return float(head(float(params['theta']), data))
+
+
+def vector(value=1.0):
+  return TaskVector({'theta': jnp.float32(value)}, ('t',), 'full', 'base')
+
+
+THETA0 = {'theta': jnp.float32(0.0)}
+GRID = evaluate.alpha_grid(0.05)
+
+
+def test_alpha_grid():
+  assert GRID[:3] == [0.0, 0.05, 0.1] and GRID[-1] == 1.0 and len(GRID) == 21
+
+
+def test_addition_picks_the_alpha_of_best_mean_normalized_validation_accuracy():
+  # Task a peaks at θ = 0.3, task b at θ = 0.5; b's fine-tuned accuracy is half of a's, so its
+  # normalized accuracy weighs double and the best mean lies nearer 0.5.
+  heads = {'a': lambda th, d: (1 - abs(th - 0.3)) * (0.9 if d == 'test' else 1.0),
+           'b': lambda th, d: 0.5 * (1 - 2 * abs(th - 0.5))}
+  finetuned = {'a': {'val': 1.0, 'test': 0.9}, 'b': {'val': 0.5, 'test': 0.5}}
+  result = evaluate.task_addition(
+      ScalarModelEvaluator(), THETA0, vector(), heads=heads, val={'a': 'val', 'b': 'val'},
+      test={'a': 'test', 'b': 'test'}, finetuned=finetuned, alphas=GRID)
+  scores = {p['alpha']: p['normalized_val'] for p in result['curve']}
+  assert result['alpha'] == max(scores, key=scores.get) == 0.5
+  np.testing.assert_allclose(result['test']['a'], 0.8 * 0.9, rtol=1e-6)
+  np.testing.assert_allclose(result['normalized_test']['a'], 0.8, rtol=1e-6)
+  np.testing.assert_allclose(result['normalized_test']['b'], 1.0, rtol=1e-6)
+
+
+def test_negation_minimises_the_target_under_the_control_constraint():
+  # Target accuracy falls with α; control holds until α = 0.6, then collapses below 95%.
+  target = lambda th, d: 0.9 + th  # θ = −α
+  control = lambda th, d: 0.8 if th > -0.6 - 1e-6 else 0.5
+  result = evaluate.task_negation(
+      ScalarModelEvaluator(), THETA0, vector(), head=target, val='val', test='test',
+      control_head=control, control_val='val', control_test='test', alphas=GRID)
+  assert result['alpha'] == 0.6
+  np.testing.assert_allclose(result['target_test'], 0.3, rtol=1e-5)
+  assert result['control_test'] == 0.8
+
+
+def test_negation_needs_alpha_zero_in_the_grid():
+  with pytest.raises(ValueError, match='alpha=0'):
+    evaluate.task_negation(ScalarModelEvaluator(), THETA0, vector(), head=None, val=None,
+                           test=None, control_head=None, control_val=None, control_test=None,
+                           alphas=[0.5, 1.0])
+
+
+def test_evaluator_accuracy_handles_a_partial_last_batch():
+  # A 'model' whose embedding is the mean colour: the head tells red from blue images.
+  rng = np.random.default_rng(0)
+  labels = rng.integers(2, size=37).astype(np.int32)
+  images = np.zeros((37, 32, 32, 3), np.uint8)
+  images[labels == 0, ..., 0] = 200
+  images[labels == 1, ..., 2] = 200
+  labels[:5] = 1 - labels[:5]  # five wrong labels
+  encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
+  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+                                 batch_size=16)
+  head = jnp.eye(3)[jnp.array([0, 2])]
+  params = {'scale': jnp.float32(1.0)}
+  accuracy = evaluator.accuracy(params, params, head, Dataset(images, labels))
+  np.testing.assert_allclose(accuracy, 32 / 37, rtol=1e-6)
+  edited = evaluator.edit(params, TaskVector({'scale': jnp.float32(2.0)}, ('t',), 'full', 'b'),
+                          0.5)
+  np.testing.assert_allclose(edited['scale'], 2.0)

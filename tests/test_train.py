@@ -1,0 +1,168 @@
+"""The one training loop: bit-identical resume after a kill, data parallelism, frozen leaves,
+the non-finite loss stop."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import quickstart
+from editing import sharding
+from editing import train
+from editing import tree as tree_lib
+from editing.data import suite
+from tests.conftest import REPO
+
+DRIVER = os.path.join('tests', 'train_driver.py')
+
+
+def load(path):
+  with np.load(path) as f:
+    return {k: f[k] for k in f.files}
+
+
+def assert_bitwise_equal(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k].view(np.uint8), b[k].view(np.uint8), err_msg=k)
+
+
+def latest_checkpoint(workdir):
+  directory = os.path.join(workdir, 'checkpoints')
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
+  return max(steps, default=0)
+
+
+def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python):
+  steps = 24
+  run_python([DRIVER, f'--workdir={tmp_path / "straight"}', f'--out={tmp_path / "a.npz"}',
+              f'--steps={steps}'])
+
+  killed = tmp_path / 'killed'
+  env = dict(os.environ, PYTHONPATH=REPO)
+  proc = subprocess.Popen([sys.executable, DRIVER, f'--workdir={killed}',
+                           f'--out={tmp_path / "unused.npz"}', f'--steps={steps}'], cwd=REPO,
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while latest_checkpoint(killed) < 6 and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  interrupted_at = latest_checkpoint(killed)
+  assert 0 < interrupted_at < steps, f'the run was not killed mid-way ({interrupted_at})'
+
+  run_python([DRIVER, f'--workdir={killed}', f'--out={tmp_path / "b.npz"}', f'--steps={steps}'])
+  assert_bitwise_equal(load(tmp_path / 'a.npz'), load(tmp_path / 'b.npz'))
+  logged = [int(line.split('"step": ')[1].split(',')[0])
+            for line in open(killed / 'metrics.jsonl')]
+  assert logged == list(range(1, steps + 1)), 'resumed metrics repeat or skip steps'
+
+
+def test_sigterm_checkpoints_then_stops(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen([sys.executable, DRIVER, f'--workdir={workdir}',
+                           f'--out={tmp_path / "x.npz"}', '--steps=400', '--checkpoint_every=1000'],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  deadline = time.time() + 300
+  while not (workdir / 'metrics.jsonl').exists() and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and 'Preempted' in stderr
+  saved = latest_checkpoint(workdir)
+  assert 0 < saved < 400, 'no checkpoint was written on SIGTERM'
+  assert not (tmp_path / 'x.npz').exists()
+
+
+def test_data_parallel_step_on_8_devices_equals_1_device(tmp_path, run_python):
+  env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  for devices in (1, 8):
+    run_python([DRIVER, f'--workdir={tmp_path / str(devices)}', f'--out={tmp_path}/{devices}.npz',
+                '--steps=3', f'--devices={devices}'], env=env)
+  # The loss and the gradient norm see the whole global batch: they agree to float precision.
+  metrics = {d: [json.loads(line) for line in open(tmp_path / str(d) / 'metrics.jsonl')]
+             for d in (1, 8)}
+  assert len(metrics[1]) == len(metrics[8]) == 3
+  for m1, m8 in zip(metrics[1], metrics[8]):
+    np.testing.assert_allclose(m8['loss'], m1['loss'], rtol=1e-5)
+    np.testing.assert_allclose(m8['grad_norm'], m1['grad_norm'], rtol=1e-5)
+  # Adam divides by sqrt(v): for near-zero gradients, summation-order noise grows to a fraction
+  # of the learning rate (1e-3), so params get an absolute tolerance well below one step.
+  one, eight = load(tmp_path / '1.npz'), load(tmp_path / '8.npz')
+  for k in one:
+    np.testing.assert_allclose(eight[k], one[k], rtol=0, atol=2e-4, err_msg=k)
+
+
+def tiny_problem():
+  params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros((2,)), 'frozen': {'v': jnp.full((2,), 5.0)}}
+  images = np.random.default_rng(0).uniform(size=(64, 32, 32, 3)).astype(np.float32)
+  labels = (images[:, 0, 0, 0] > 0.5).astype(np.int32)
+  data = suite.Dataset((images * 255).astype(np.uint8), labels)
+
+  def loss_fn(params, consts, images, labels, rng):
+    del consts, rng
+    x = images[:, 0, 0, :]
+    logits = x @ params['w'] + params['b'] + params['frozen']['v']
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
+
+  return params, data, loss_fn
+
+
+def test_frozen_leaves_stay_bit_identical_and_get_no_optimizer_state(tmp_path, monkeypatch):
+  params, data, loss_fn = tiny_problem()
+  seen_state = []
+  original_init = train.TrainState.__init__
+
+  def spy(self, step, params, opt_state, rng):
+    seen_state.append(opt_state)
+    original_init(self, step, params, opt_state, rng)
+
+  monkeypatch.setattr(train.TrainState, '__init__', spy)
+  trainable = {'w': True, 'b': True, 'frozen/v': False}
+  config = quickstart.training(steps=5, batch_size=16, checkpoint_every=5, log_every=5)
+  out = train.train(config, loss_fn=loss_fn, params=params, trainable=trainable, consts={},
+                    data=data, workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+  np.testing.assert_array_equal(out['frozen']['v'], params['frozen']['v'])
+  assert not np.array_equal(out['w'], params['w'])
+  state_paths = {p for s in seen_state for p in tree_lib.flatten(s)}
+  assert state_paths and not any('frozen' in p for p in state_paths)
+
+
+def test_non_finite_loss_stops_the_run_with_the_step(tmp_path):
+  params, data, _ = tiny_problem()
+
+  def exploding(params, consts, images, labels, rng):
+    del consts, images, labels, rng
+    return jnp.log(params['b'][0] - params['b'][0]), {}
+
+  config = quickstart.training(steps=5, batch_size=16, checkpoint_every=5, log_every=1)
+  with pytest.raises(FloatingPointError, match='non-finite loss .* at step 1'):
+    train.train(config, loss_fn=exploding, params=params,
+                trainable={p: True for p in tree_lib.flatten(params)}, consts={}, data=data,
+                workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+
+
+def test_nothing_trainable_is_an_error(tmp_path):
+  params, data, loss_fn = tiny_problem()
+  config = quickstart.training(steps=1, batch_size=16)
+  with pytest.raises(ValueError, match='no parameter is trainable'):
+    train.train(config, loss_fn=loss_fn, params=params,
+                trainable={p: False for p in tree_lib.flatten(params)}, consts={}, data=data,
+                workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+
+
+def test_batch_size_must_split_over_the_data_axis():
+  eight_devices = types.SimpleNamespace(shape={sharding.DATA_AXIS: 8})
+  sharding.check_batch_size(eight_devices, 64)
+  with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8 devices'):
+    sharding.check_batch_size(eight_devices, 12)

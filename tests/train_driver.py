@@ -1,0 +1,57 @@
+"""Runs a short fine-tune through `editing.train.train` in its own process, for tests that kill
+it or give it several simulated devices.
+
+  python tests/train_driver.py --workdir=W --out=params.npz [--steps=N] [--devices=K]
+"""
+
+import argparse
+
+import jax
+import numpy as np
+import optax
+
+from configs import quickstart
+from editing import regimes
+from editing import train
+from editing import tree as tree_lib
+from editing.data import suite
+from editing import sharding
+from editing.models import head as head_lib
+from editing.models import vit
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--steps', type=int, default=40)
+  parser.add_argument('--devices', type=int, default=1)
+  parser.add_argument('--checkpoint_every', type=int, default=2)
+  parser.add_argument('--regime', default='full')
+  args = parser.parse_args()
+
+  config = quickstart.get_config('tiny')
+  task = suite.load_task('colour', seed=0, train_size=256, test_size=8)
+  module = vit.build(config.model)
+  theta0 = module.init(jax.random.PRNGKey(0), task.train.batch([0])[0])['params']
+  head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, config.model.embed_dim))
+  regime = regimes.get(args.regime)
+  encoder = regime.encoder(lambda p, x: module.apply({'params': p}, x))
+
+  def loss_fn(params, consts, images, labels, rng):
+    del rng
+    logits = head_lib.logits(encoder(consts['theta0'], params, images), consts['head'], 30.0)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
+
+  train_config = quickstart.training(steps=args.steps, batch_size=32, learning_rate=1e-3,
+                                     warmup_steps=3, checkpoint_every=args.checkpoint_every,
+                                     log_every=1)
+  params = train.train(train_config, loss_fn=loss_fn, params=theta0,
+                       trainable=regime.trainable(theta0),
+                       consts={'theta0': theta0, 'head': head}, data=task.train,
+                       workdir=args.workdir, mesh=sharding.make_mesh(args.devices))
+  np.savez(args.out, **{k: np.asarray(v) for k, v in tree_lib.flatten(params).items()})
+
+
+if __name__ == '__main__':
+  main()
