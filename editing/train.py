@@ -207,13 +207,15 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
         images, labels = jax.device_put(data.batch(idx), batch)
         state, metrics = step_jit(state, frozen, consts, images, labels)
         done = step + 1
+        # Checked every step, before saving, so that no checkpoint ever holds a diverged state.
+        loss = float(metrics['loss'])
+        if not np.isfinite(loss):
+          raise FloatingPointError(f'non-finite loss {loss} at step {done} in {workdir}; '
+                                   'lower the learning rate or check the data')
         mngr.save(done, args=checkpoint.ocp.args.StandardSave(state),
                   force=done == config.steps or sigterm.raised)
         if done % config.log_every == 0 or done == config.steps:
           metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-          if not np.isfinite(metrics['loss']):
-            raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {done} in '
-                                     f'{workdir}; lower finetune.learning_rate or check the data')
           timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
           writer.write(done, metrics)
         if sigterm.raised:

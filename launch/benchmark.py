@@ -11,7 +11,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from absl import app, flags
 
 from editing import checkpoint
@@ -33,14 +32,7 @@ def run(config, workdir: str, steps: int) -> dict:
   theta0 = module.init(jax.random.PRNGKey(0), images[:1])['params']
   head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, config.model.embed_dim))
   regime = regimes.get(config.finetune.regime)
-  encoder = regime.encoder(apply_fn)
-
-  def loss_fn(params, consts, images, labels, rng):
-    del rng
-    logits = head_lib.logits(encoder(consts['theta0'], params, images), consts['head'],
-                             config.head.logit_scale)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
-
+  loss_fn = head_lib.frozen_head_loss(regime.encoder(apply_fn), config.head.logit_scale)
   prepared = train.prepare(config.finetune, loss_fn=loss_fn, params=theta0,
                            trainable=regime.trainable(theta0),
                            consts={'theta0': theta0, 'head': head}, mesh=common.mesh(config),
@@ -64,11 +56,5 @@ def run(config, workdir: str, steps: int) -> dict:
   return result
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  run(common.CONFIG.value, common.WORKDIR.value, _STEPS.value)
-
-
 if __name__ == '__main__':
-  app.run(main)
+  app.run(common.app_main(lambda config, workdir: run(config, workdir, _STEPS.value)))

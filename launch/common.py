@@ -11,11 +11,11 @@ One experiment lives in one workdir:
 import json
 import logging as std_logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
-from absl import flags, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from editing import checkpoint
@@ -37,10 +37,20 @@ CONFIG = config_flags.DEFINE_config_file(
 WORKDIR = flags.DEFINE_string('workdir', DEFAULT_WORKDIR, 'experiment directory')
 
 
-def quiet_checkpointer_logs() -> None:
-  """Keeps orbax's per-save INFO lines off the console; its warnings and errors still show."""
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or 'orbax' not in record.pathname)
+def app_main(run: Callable[[ml_collections.ConfigDict, str], Any]) -> Callable[[list[str]], None]:
+  """The absl main of a job: `run(config, workdir)` from the shared flags.
+
+  Orbax's per-save INFO lines are kept off the console; its warnings and errors still show.
+  """
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    logging.get_absl_handler().addFilter(
+        lambda record: record.levelno >= std_logging.WARNING or 'orbax' not in record.pathname)
+    run(CONFIG.value, WORKDIR.value)
+
+  return main
 
 
 def pretrain_dir(workdir: str) -> str:
@@ -91,8 +101,8 @@ def suite_settings(config: ml_collections.ConfigDict, *names: str) -> dict:
 def use_compilation_cache(workdir: str) -> None:
   """Keeps compiled programs in <workdir>/.jax_cache.
 
-  Each fine-tune builds its own jitted step, identical to the last one but for its inputs' values;
-  with the cache only the first task pays for compilation, and reruns pay for none.
+  Each fine-tune builds its own jitted step; tasks with the same number of classes compile to
+  the same program, so only the first of them pays for compilation, and reruns pay for none.
   """
   jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
                                                                               '.jax_cache')))
@@ -106,17 +116,27 @@ def check_job_config(directory: str, sections: dict[str, Any]) -> None:
   """
   path = os.path.join(directory, 'job_config.json')
   current = json.loads(json.dumps(sections, sort_keys=True, default=str))
-  if os.path.exists(path):
-    with open(path) as f:
-      recorded = json.load(f)
-    if recorded != current:
-      differing = sorted(k for k in recorded.keys() | current.keys()
-                         if recorded.get(k) != current.get(k))
-      raise ValueError(f'{directory} was made with a different config (config.{differing[0]} '
-                       f'differs: {recorded.get(differing[0])} then, {current.get(differing[0])} '
-                       f'now); use another --workdir')
+  if not os.path.exists(path):
+    checkpoint.atomic_write_json(path, current)
     return
-  checkpoint.atomic_write_json(path, current)
+  with open(path) as f:
+    recorded = _dotted(json.load(f))
+  now = _dotted(current)
+  differing = sorted(k for k in recorded.keys() | now.keys() if recorded.get(k) != now.get(k))
+  if differing:
+    key = differing[0]
+    raise ValueError(f'{directory} was made with other settings ({key}: {recorded.get(key)} '
+                     f'then, {now.get(key)} now); use another --workdir')
+
+
+def _dotted(tree: dict, prefix: str = '') -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_dotted(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
 
 
 def model(config_model: ml_collections.ConfigDict | dict):

@@ -16,8 +16,8 @@ from editing import checkpoint
 from editing import evaluate
 from editing.data import suite
 from launch import common
-from merging import task_arithmetic
 from launch import report
+from merging import task_arithmetic
 
 
 
@@ -74,12 +74,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return results
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  common.quiet_checkpointer_logs()
-  run(common.CONFIG.value, common.WORKDIR.value)
-
-
 if __name__ == '__main__':
-  app.run(main)
+  app.run(common.app_main(run))

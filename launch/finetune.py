@@ -6,9 +6,7 @@ r"""Fine-tunes θ0 on one task of the suite, in the configured regime, and saves
 
 import os
 
-import jax.numpy as jnp
 import ml_collections
-import optax
 from absl import app, flags, logging
 
 from editing import checkpoint
@@ -39,15 +37,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str) -> Task
     return checkpoint.load_task_vector(out)[0]
   task = common.load_task(config, task_name)
   head = common.head(config, workdir, task, theta0, apply_fn)
-  encoder = regime.encoder(apply_fn)
-
-  def loss_fn(params, consts, images, labels, rng):
-    del rng
-    logits = head_lib.logits(encoder(consts['theta0'], params, images), consts['head'],
-                             config.head.logit_scale)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return loss, {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
-
+  loss_fn = head_lib.frozen_head_loss(regime.encoder(apply_fn), config.head.logit_scale)
   finetuned = train.train(config.finetune, loss_fn=loss_fn, params=theta0,
                           trainable=regime.trainable(theta0),
                           consts={'theta0': theta0, 'head': head}, data=task.train,
@@ -59,15 +49,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str) -> Task
   return vector
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  common.quiet_checkpointer_logs()
-  run(common.CONFIG.value, common.WORKDIR.value, flags.FLAGS.task)
-
-
 if __name__ == '__main__':
   # Defined here, not at import, so that quickstart (which imports this module) has no --task.
   flags.DEFINE_enum('task', None, suite.DOWNSTREAM_TASKS, 'the task to fine-tune on')
   flags.mark_flag_as_required('task')
-  app.run(main)
+  app.run(common.app_main(lambda config, workdir: run(config, workdir, flags.FLAGS.task)))

@@ -33,6 +33,7 @@ def markdown(results: dict) -> str:
   add, neg = results['addition'], results['negation']
   negation_alphas = ', '.join(f'{t} {neg[t]["alpha"]}' for t in results['tasks'])
   control = results['control_task']
+  control_accuracy = 100 * results['pretrained'][control]
   out = io.StringIO()
   out.write(f'# Task arithmetic on the built-in suite ({results["regime"]} fine-tuning)\n\n')
   out.write('| ' + ' | '.join(_COLUMNS) + ' |\n|' + '---|' * len(_COLUMNS) + '\n')
@@ -42,7 +43,7 @@ def markdown(results: dict) -> str:
             'validation by mean normalized accuracy); normalized = accuracy / the single-task '
             'fine-tuned accuracy. Negation: θ0 − α·τ_t, α per task '
             f'({negation_alphas}) minimising target validation accuracy while {control} (control) '
-            f'keeps ≥ 95% of its pretrained accuracy ({100 * results["pretrained"][control]:.1f}%).\n')
+            f'keeps ≥ 95% of its pretrained accuracy ({control_accuracy:.1f}%).\n')
   return out.getvalue()
 
 

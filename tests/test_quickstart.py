@@ -49,7 +49,8 @@ def test_a_changed_config_in_the_same_workdir_is_refused(tiny_run):
   config, workdir, _ = tiny_run
   changed = quickstart_config.get_config('tiny')
   changed.finetune.learning_rate = 1.0
-  with pytest.raises(ValueError, match='config.finetune differs'):
+  expected = r'other settings \(finetune.learning_rate: 0.001 then, 1.0 now\)'
+  with pytest.raises(ValueError, match=expected):
     quickstart.run(changed, workdir)
 
 

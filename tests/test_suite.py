@@ -59,7 +59,8 @@ def test_unknown_task_is_named_in_the_error():
 def test_batch_indices_are_a_pure_function_of_the_step():
   n, batch = 50, 8
   steps_per_epoch = n // batch
-  epoch0 = np.concatenate([suite.batch_indices(n, batch, s, seed=1) for s in range(steps_per_epoch)])
+  epoch0 = np.concatenate(
+      [suite.batch_indices(n, batch, s, seed=1) for s in range(steps_per_epoch)])
   assert len(np.unique(epoch0)) == len(epoch0)  # no repeats within an epoch
   np.testing.assert_array_equal(suite.batch_indices(n, batch, 3, seed=1),
                                 suite.batch_indices(n, batch, 3, seed=1))

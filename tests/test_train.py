@@ -145,11 +145,12 @@ def test_non_finite_loss_stops_the_run_with_the_step(tmp_path):
     del consts, images, labels, rng
     return jnp.log(params['b'][0] - params['b'][0]), {}
 
-  config = quickstart.training(steps=5, batch_size=16, checkpoint_every=5, log_every=1)
+  config = quickstart.training(steps=5, batch_size=16, checkpoint_every=1, log_every=5)
   with pytest.raises(FloatingPointError, match='non-finite loss .* at step 1'):
     train.train(config, loss_fn=exploding, params=params,
                 trainable={p: True for p in tree_lib.flatten(params)}, consts={}, data=data,
                 workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+  assert latest_checkpoint(str(tmp_path)) == 0, 'a diverged state was checkpointed'
 
 
 def test_nothing_trainable_is_an_error(tmp_path):

@@ -8,7 +8,6 @@ import argparse
 
 import jax
 import numpy as np
-import optax
 
 from configs import quickstart
 from editing import regimes
@@ -36,12 +35,8 @@ def main():
   theta0 = module.init(jax.random.PRNGKey(0), task.train.batch([0])[0])['params']
   head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, config.model.embed_dim))
   regime = regimes.get(args.regime)
-  encoder = regime.encoder(lambda p, x: module.apply({'params': p}, x))
-
-  def loss_fn(params, consts, images, labels, rng):
-    del rng
-    logits = head_lib.logits(encoder(consts['theta0'], params, images), consts['head'], 30.0)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
+  loss_fn = head_lib.frozen_head_loss(
+      regime.encoder(lambda p, x: module.apply({'params': p}, x)), config.head.logit_scale)
 
   train_config = quickstart.training(steps=args.steps, batch_size=32, learning_rate=1e-3,
                                      warmup_steps=3, checkpoint_every=args.checkpoint_every,

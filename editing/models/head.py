@@ -16,6 +16,7 @@ Heads are never trained, so task vectors cover the backbone only.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def _normalize(x, axis=-1):
@@ -37,3 +38,19 @@ def fit_prototypes(features: np.ndarray, labels: np.ndarray, num_classes: int) -
 def logits(features: jax.Array, head: jax.Array, logit_scale: float) -> jax.Array:
   """logit_scale · cos(f(x), w_c) for every class c (rows of `head` need not be unit norm)."""
   return logit_scale * _normalize(features.astype(jnp.float32)) @ _normalize(head).T
+
+
+def frozen_head_loss(encoder, logit_scale: float):
+  """The fine-tuning loss of every regime: cross-entropy of a frozen head on encoder features.
+
+  Returns loss_fn(params, consts, images, labels, rng) -> (loss, {'accuracy'}) for
+  `editing.train.train`, reading θ0 and the head from consts = {'theta0': ..., 'head': ...}.
+  """
+
+  def loss_fn(params, consts, images, labels, rng):
+    del rng
+    scores = logits(encoder(consts['theta0'], params, images), consts['head'], logit_scale)
+    loss = optax.softmax_cross_entropy_with_integer_labels(scores, labels).mean()
+    return loss, {'accuracy': jnp.mean(jnp.argmax(scores, -1) == labels)}
+
+  return loss_fn
