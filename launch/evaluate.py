@@ -27,6 +27,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   names = common.tasks(config)
   common.use_compilation_cache(workdir)
   theta0, apply_fn = common.load_pretrained(workdir)
+  missing = [t for t in names if not os.path.exists(common.task_vector_file(workdir, regime, t))]
+  if missing:
+    raise FileNotFoundError(f'no {regime} task vector for {missing} in {workdir}; run '
+                            f'launch.finetune --task=<task> (or launch.quickstart) first')
   vectors = {t: checkpoint.load_task_vector(common.task_vector_file(workdir, regime, t))[0]
              for t in names}
   data = {t: common.load_task(config, t) for t in names + [suite.CONTROL_TASK]}

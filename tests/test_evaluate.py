@@ -86,3 +86,21 @@ def test_evaluator_accuracy_handles_a_partial_last_batch():
   edited = evaluator.edit(params, TaskVector({'scale': jnp.float32(2.0)}, ('t',), 'full', 'b'),
                           0.5)
   np.testing.assert_allclose(edited['scale'], 2.0)
+
+
+def test_sweeping_alpha_and_datasets_compiles_once():
+  encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
+  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+                                 batch_size=8)
+  theta0 = {'scale': jnp.float32(1.0)}
+  vector = TaskVector({'scale': jnp.float32(0.5)}, ('t',), 'full', 'b')
+  head = jnp.eye(3)
+  rng = np.random.default_rng(0)
+  datasets = [Dataset(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+                      rng.integers(0, 3, n).astype(np.int32)) for n in (5, 19)]
+  for alpha in evaluate.alpha_grid(0.25):
+    params = evaluator.edit(theta0, vector, alpha)
+    for data in datasets:
+      evaluator.accuracy(theta0, params, head, data)
+  assert evaluator._apply._cache_size() == 1  # pylint: disable=protected-access
+  assert evaluator._predict._cache_size() == 1  # pylint: disable=protected-access
