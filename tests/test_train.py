@@ -41,16 +41,18 @@ def latest_checkpoint(workdir):
   return max(steps, default=0)
 
 
-def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python):
+@pytest.mark.parametrize('regime', ['full', 'attention_only', 'linearized'])
+def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime):
   steps = 24
   run_python([DRIVER, f'--workdir={tmp_path / "straight"}', f'--out={tmp_path / "a.npz"}',
-              f'--steps={steps}'])
+              f'--steps={steps}', f'--regime={regime}'])
 
   killed = tmp_path / 'killed'
   env = dict(os.environ, PYTHONPATH=REPO)
   proc = subprocess.Popen([sys.executable, DRIVER, f'--workdir={killed}',
-                           f'--out={tmp_path / "unused.npz"}', f'--steps={steps}'], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           f'--out={tmp_path / "unused.npz"}', f'--steps={steps}',
+                           f'--regime={regime}'], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
   while latest_checkpoint(killed) < 6 and proc.poll() is None and time.time() < deadline:
     time.sleep(0.05)
@@ -59,7 +61,8 @@ def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python):
   interrupted_at = latest_checkpoint(killed)
   assert 0 < interrupted_at < steps, f'the run was not killed mid-way ({interrupted_at})'
 
-  run_python([DRIVER, f'--workdir={killed}', f'--out={tmp_path / "b.npz"}', f'--steps={steps}'])
+  run_python([DRIVER, f'--workdir={killed}', f'--out={tmp_path / "b.npz"}', f'--steps={steps}',
+              f'--regime={regime}'])
   assert_bitwise_equal(load(tmp_path / 'a.npz'), load(tmp_path / 'b.npz'))
   logged = [int(line.split('"step": ')[1].split(',')[0])
             for line in open(killed / 'metrics.jsonl')]

@@ -10,10 +10,12 @@ Task vectors record the regime that made them, and the evaluator applies them th
 regime's encoder.
 """
 
+from editing.regimes.attention_only import ATTENTION_ONLY
 from editing.regimes.base import Regime
 from editing.regimes.full import FULL
+from editing.regimes.linearized import LINEARIZED
 
-REGISTRY: dict[str, Regime] = {regime.name: regime for regime in (FULL,)}
+REGISTRY: dict[str, Regime] = {r.name: r for r in (FULL, ATTENTION_ONLY, LINEARIZED)}
 
 
 def get(name: str) -> Regime:

@@ -1,0 +1,121 @@
+"""Each regime's defining property: what moves, and through which function."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import quickstart
+from editing import regimes
+from editing import sharding
+from editing import train
+from editing import tree as tree_lib
+from editing.models import head as head_lib
+from editing.data import suite
+from editing.models import vit
+from editing.regimes import attention_only
+
+MODEL = vit.build(quickstart.get_config('tiny').model)
+IMAGES = jax.random.uniform(jax.random.PRNGKey(1), (4, 32, 32, 3))
+THETA0 = MODEL.init(jax.random.PRNGKey(0), IMAGES)['params']
+APPLY = lambda params, images: MODEL.apply({'params': params}, images)
+
+
+def direction(seed, scale=0.05):
+  leaves, treedef = jax.tree.flatten(THETA0)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape)
+                                      for k, x in zip(keys, leaves)])
+
+
+def shifted(*terms):
+  """θ0 + Σ coefficient · direction."""
+  return jax.tree.map(lambda base, *ds: base + sum(ds), THETA0,
+                      *[jax.tree.map(lambda d, c=c: c * d, d) for c, d in terms])
+
+
+def test_unknown_regime_lists_the_known_ones():
+  with pytest.raises(ValueError, match="unknown regime 'ntk'.*linearized"):
+    regimes.get('ntk')
+
+
+def test_linearized_model_equals_the_model_at_theta0():
+  f_lin = regimes.get('linearized').encoder(APPLY)
+  np.testing.assert_allclose(f_lin(THETA0, THETA0, IMAGES), APPLY(THETA0, IMAGES), rtol=1e-6,
+                             atol=1e-6)
+
+
+def test_linearized_model_is_affine_in_theta():
+  f_lin = regimes.get('linearized').encoder(APPLY)
+  u, v, a, b = direction(2), direction(3), 0.7, -1.3
+  base = f_lin(THETA0, THETA0, IMAGES)
+  combined = f_lin(THETA0, shifted((a, u), (b, v)), IMAGES) - base
+  separate = (a * (f_lin(THETA0, shifted((1.0, u)), IMAGES) - base)
+              + b * (f_lin(THETA0, shifted((1.0, v)), IMAGES) - base))
+  np.testing.assert_allclose(combined, separate, rtol=1e-4, atol=1e-4)
+  # The real model is not affine at this step size, so the check above can fail.
+  nonlinear = APPLY(shifted((a, u), (b, v)), IMAGES) - APPLY(THETA0, IMAGES)
+  nonlinear_separate = (a * (APPLY(shifted((1.0, u)), IMAGES) - APPLY(THETA0, IMAGES))
+                        + b * (APPLY(shifted((1.0, v)), IMAGES) - APPLY(THETA0, IMAGES)))
+  assert np.abs(nonlinear - nonlinear_separate).max() > 1e-2
+
+
+def test_linearized_gradient_is_the_jacobian_at_theta0_wherever_theta_is():
+  f_lin = regimes.get('linearized').encoder(APPLY)
+  weights = jax.random.normal(jax.random.PRNGKey(4), (4, MODEL.embed_dim))
+  objective = lambda params: jnp.sum(weights * f_lin(THETA0, params, IMAGES))
+  at_theta0 = jax.grad(objective)(THETA0)
+  elsewhere = jax.grad(objective)(shifted((1.0, direction(5, scale=0.5))))
+  jacobian_t = jax.grad(lambda p: jnp.sum(weights * APPLY(p, IMAGES)))(THETA0)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), elsewhere,
+               at_theta0)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), at_theta0,
+               jacobian_t)
+
+
+def test_attention_only_trains_exactly_the_four_projection_weights_of_every_block():
+  trainable = regimes.get('attention_only').trainable(THETA0)
+  chosen = sorted(p for p, t in trainable.items() if t)
+  depth = quickstart.get_config('tiny').model.depth
+  assert chosen == sorted(f'blocks_{i}/attn/{n}/kernel' for i in range(depth)
+                          for n in ('query', 'key', 'value', 'out'))
+  assert trainable['blocks_0/attn/query/bias'] is False
+  assert all(regimes.get('full').trainable(THETA0).values())
+
+
+def test_attention_only_optimizer_state_holds_only_attention_weights():
+  regime = regimes.get('attention_only')
+  head = jax.random.normal(jax.random.PRNGKey(1), (3, MODEL.embed_dim))
+  prepared = train.prepare(
+      quickstart.training(batch_size=4), params=THETA0, trainable=regime.trainable(THETA0),
+      loss_fn=head_lib.frozen_head_loss(regime.encoder(APPLY), 30.0),
+      consts={'theta0': THETA0, 'head': head}, mesh=sharding.make_mesh(1))
+  state_leaves = [(p, x) for p, x in tree_lib.flatten(prepared.state.opt_state).items()
+                  if np.ndim(x) > 0]
+  assert state_leaves
+  for path, _ in state_leaves:
+    assert re.search(attention_only.ATTENTION_WEIGHTS, path), path
+  optimizer_entries = sum(np.size(x) for _, x in state_leaves)
+  attention_entries = sum(np.size(x) for p, x in tree_lib.flatten(THETA0).items()
+                          if re.fullmatch(attention_only.ATTENTION_WEIGHTS, p))
+  assert optimizer_entries == 2 * attention_entries  # Adam's two moments, nothing else
+
+
+def test_attention_only_training_moves_the_attention_weights_and_nothing_else(tmp_path):
+  regime = regimes.get('attention_only')
+  task = suite.load_task('colour', seed=0, train_size=64, test_size=8)
+  head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, MODEL.embed_dim))
+  trained = train.train(
+      quickstart.training(steps=3, batch_size=16, warmup_steps=1, checkpoint_every=3),
+      loss_fn=head_lib.frozen_head_loss(regime.encoder(APPLY), 30.0), params=THETA0,
+      trainable=regime.trainable(THETA0), consts={'theta0': THETA0, 'head': head},
+      data=task.train, workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+  before, after = tree_lib.flatten(THETA0), tree_lib.flatten(trained)
+  for path, value in after.items():
+    if re.fullmatch(attention_only.ATTENTION_WEIGHTS, path):
+      assert not np.array_equal(value, before[path]), f'{path} did not move'
+    else:
+      np.testing.assert_array_equal(np.asarray(value).view(np.uint32),
+                                    np.asarray(before[path]).view(np.uint32), err_msg=path)
