@@ -19,7 +19,6 @@ from editing.task_vector import TaskVector
 from launch import common
 
 
-
 def run(config: ml_collections.ConfigDict, workdir: str, task_name: str) -> TaskVector:
   """Fine-tunes on `task_name` unless its task vector already exists; returns the vector."""
   regime = regimes.get(config.finetune.regime)
@@ -42,7 +41,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str) -> Task
                           trainable=regime.trainable(theta0),
                           consts={'theta0': theta0, 'head': head}, data=task.train,
                           workdir=directory, mesh=common.mesh(config),
-                        sharding_rules=config.sharding_rules)
+                          sharding_rules=config.sharding_rules)
   vector = TaskVector.from_params(theta0, finetuned, task=task_name, regime=regime.name)
   checkpoint.save_task_vector(out, vector)
   logging.info('saved the %s task vector of %s to %s', regime.name, task_name, out)

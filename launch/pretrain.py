@@ -19,7 +19,6 @@ from editing.models import head as head_lib
 from launch import common
 
 
-
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains encoder + a cosine head on shapes; writes <workdir>/pretrain/params.safetensors."""
   out = common.pretrained_file(workdir)
