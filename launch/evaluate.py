@@ -20,7 +20,6 @@ from launch import report
 from merging import task_arithmetic
 
 
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the task-arithmetic protocols on the workdir's task vectors and writes the results."""
   regime = config.finetune.regime

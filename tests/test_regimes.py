@@ -12,8 +12,8 @@ from editing import regimes
 from editing import sharding
 from editing import train
 from editing import tree as tree_lib
-from editing.models import head as head_lib
 from editing.data import suite
+from editing.models import head as head_lib
 from editing.models import vit
 from editing.regimes import attention_only
 
