@@ -1,8 +1,9 @@
 r"""The built-in suite end to end: pretrain, fine-tune every task, add and negate task vectors.
 
-  python -m launch.quickstart                                  # about 7 minutes on 2 CPU cores
+  python -m launch.quickstart                                  # about 9 minutes on 2 CPU cores
   python -m launch.quickstart --config=configs/quickstart.py:tiny --workdir=/tmp/tiny
   python -m launch.quickstart --config.finetune.steps=300 --workdir=workdir/longer
+  python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos
 
 `pretrain`, `finetune` and `evaluate` read the same config, so each step can also be run alone:
 
@@ -64,17 +65,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                              checkpoint_every=100, log_every=50)
   config.pretrain.logit_scale = 10.0
 
-  # Fine-tuning one task on its frozen head.
+  # Fine-tuning one task on its frozen head, in every regime listed (comma-separated) of
+  # full, attention_only, linearized, talos (editing/regimes/).
   config.finetune = training(steps=100, learning_rate=1e-3, weight_decay=0.1, warmup_steps=10)
-  config.finetune.regime = 'full'
+  config.regimes = 'full'
+
+  # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk
+  # of per-example gradients scored at once.
+  config.talos = ml_collections.ConfigDict(dict(keep=0.1, rounds=4, batch_size=32))
 
   # The α grid is 0, alpha_step, ..., 1. Negation checks the control task at every α of every
   # task, so its validation set is capped (the pretraining corpus's own is much larger).
+  # Weight disentanglement ξ runs on task pairs 'a:b,c:d' (empty: consecutive pairs of
+  # suite.tasks) over linspace(-limit, limit, points)², on the first `size` test images of each.
   config.eval = ml_collections.ConfigDict(dict(
       batch_size=512,
       alpha_step=0.05,
       negation_threshold=0.95,
       control_val_size=500,
+      disentanglement_pairs='',
+      disentanglement_limit=2.0,
+      disentanglement_points=15,
+      disentanglement_size=250,
   ))
 
   # Devices: 0 means all visible ones, on a 1-D data-parallel mesh. Params are placed by
@@ -90,7 +102,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                            log_every=10)
     config.finetune.update(steps=12, batch_size=32, warmup_steps=2, checkpoint_every=6,
                            log_every=6)
-    config.eval.update(batch_size=64, alpha_step=0.25)
+    config.talos.update(batch_size=8)
+    config.eval.update(batch_size=64, alpha_step=0.25, disentanglement_points=3,
+                       disentanglement_size=24)
   elif arg:
     raise ValueError(f'unknown config argument {arg!r}; use none or "tiny"')
   return config

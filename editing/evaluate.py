@@ -7,6 +7,9 @@ task vectors are judged on the linearized model and non-linear ones on the model
   (accuracy / the same regime's single-task fine-tuned accuracy); test accuracy reported there.
 - Task negation: θ0 − α·τ_t; α minimises target validation accuracy while the control task keeps
   ≥ `threshold` × the pretrained control accuracy; target and control test accuracy reported.
+- Weight disentanglement (Ortiz-Jimenez et al., NeurIPS 2023): on a grid of (α1, α2),
+  ξ(α1, α2) = Σ_{t=1,2} E_{x∼D_t} 1[pred_t(x; θ0 + α_t τ_t) ≠ pred_t(x; θ0 + α1 τ1 + α2 τ2)],
+  each task judged with its own head; 0 where adding the other vector changes nothing.
 """
 
 from typing import Any, Mapping, Sequence
@@ -134,3 +137,41 @@ def task_negation(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *, h
           'target_test': evaluator.accuracy(theta0, params, head, test),
           'control_test': evaluator.accuracy(theta0, params, control_head, control_test),
           'curve': curve}
+
+
+def disentanglement_grid(limit: float = 2.0, points: int = 15) -> list[float]:
+  """linspace(−limit, limit, points), rounded so that grid values print cleanly."""
+  return [round(float(a), 10) for a in np.linspace(-limit, limit, points)]
+
+
+def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[TaskVector], *,
+                    heads: Sequence[Any], data: Sequence[Dataset],
+                    alphas: Sequence[float]) -> np.ndarray:
+  """ξ(α1, α2) for two task vectors, as a (len(alphas), len(alphas)) array (rows: α1).
+
+  Args:
+    evaluator: its encoder gives the features; each task's head then predicts on its own inputs.
+    theta0: the pretrained params.
+    vectors: (τ1, τ2), of one regime and base.
+    heads, data: each task's frozen head and the inputs ξ averages over.
+    alphas: the grid for both coefficients.
+  """
+  if len(vectors) != 2 or len(heads) != 2 or len(data) != 2:
+    raise ValueError('disentanglement takes exactly two task vectors, heads and datasets')
+  both = Dataset(np.concatenate([d.images for d in data]),
+                 np.concatenate([d.labels for d in data]))
+  ends = np.cumsum([len(d) for d in data])[:-1]
+
+  def predictions(params):
+    """Each task's head on its own inputs, from one feature pass over both."""
+    features = np.split(evaluator.features(theta0, params, both), ends)
+    return [np.argmax(head_lib.logits(f, h, 1.0), axis=-1) for f, h in zip(features, heads)]
+
+  alone = [[predictions(evaluator.edit(theta0, v, a))[t] for a in alphas]
+           for t, v in enumerate(vectors)]
+  xi = np.zeros((len(alphas), len(alphas)))
+  for i, a1 in enumerate(alphas):
+    for j, a2 in enumerate(alphas):
+      together = predictions(evaluator.edit(theta0, a1 * vectors[0] + a2 * vectors[1], 1.0))
+      xi[i, j] = (np.mean(together[0] != alone[0][i]) + np.mean(together[1] != alone[1][j]))
+  return xi

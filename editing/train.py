@@ -45,11 +45,35 @@ class TrainState:
   rng: jax.Array
 
 
-def optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW on a linear-warmup cosine schedule after global-norm clipping."""
+def optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
+  """AdamW on a linear-warmup cosine schedule after global-norm clipping, then `mask_updates`."""
   return optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
-      optax.adamw(learning_rate(config), weight_decay=config.weight_decay))
+      optax.adamw(learning_rate(config), weight_decay=config.weight_decay),
+      mask_updates())
+
+
+def mask_updates() -> optax.GradientTransformationExtraArgs:
+  """u ← m ⊙ u for the leaves given elementwise masks in the `update_mask` argument.
+
+  Placed last, it zeroes both the Adam step and AdamW's decoupled weight decay outside the
+  mask, while the clip and Adam's moments before it still see the unmasked gradients: the
+  sparse optimizer of TaLoS (Iurada et al., ICLR 2025). `update_mask` is {path: bool array}
+  over some of the (flat, path-keyed) updates; leaves it does not name pass unchanged.
+  """
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None, *, update_mask=None, **extra_args):
+    del params, extra_args
+    if update_mask:
+      updates = {path: u * update_mask[path].astype(u.dtype) if path in update_mask else u
+                 for path, u in updates.items()}
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -103,30 +127,43 @@ class _MetricWriter:
     self._tb.close()
 
 
+class StepInputs(NamedTuple):
+  """What every step reads and never changes."""
+
+  frozen: dict[str, jax.Array]  # the leaves that do not train, keyed by path
+  update_mask: dict[str, jax.Array]  # elementwise masks of sparsely trained leaves, by path
+  consts: PyTree  # what the loss reads besides the params (θ0, a frozen head)
+
+
 class Prepared(NamedTuple):
   """Everything a loop needs: the initial state, the jitted step and its constant inputs."""
 
   state: TrainState
-  frozen: dict[str, jax.Array]
-  consts: PyTree
-  step: Callable  # step(state, frozen, consts, images, labels) -> (state, metrics)
+  inputs: StepInputs
+  step: Callable  # step(state, inputs, images, labels) -> (state, metrics)
   batch_sharding: jax.sharding.NamedSharding
 
 
 def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
             trainable: dict[str, bool], consts: PyTree, mesh: jax.sharding.Mesh,
-            sharding_rules=sharding_lib.REPLICATED_RULES) -> Prepared:
+            sharding_rules=sharding_lib.REPLICATED_RULES,
+            update_mask: dict[str, Any] | None = None) -> Prepared:
   """Places params on the mesh, splits trainable from frozen leaves and jits the step.
 
   The step differentiates only the trainable leaves, so frozen ones cost no backward pass and
   hold no optimizer state; the state is donated, and every input and output has an explicit
   sharding (params by `sharding_rules`, batches over 'data', the rest replicated).
+  `update_mask` ({path: bool array}) restricts the updates of the leaves it names to their
+  True entries; a leaf whose mask is all False is frozen outright.
   """
   sharding_lib.check_batch_size(mesh, config.batch_size)
   flat = tree_lib.flatten(params)
   if trainable.keys() != flat.keys():
     raise ValueError(f'trainable marks {sorted(trainable.keys() ^ flat.keys())[:3]}..., which '
                      'are not exactly the params leaves')
+  update_mask = _checked_mask(update_mask or {}, flat)
+  trainable = {p: t and (p not in update_mask or bool(update_mask[p].any()))
+               for p, t in trainable.items()}
   if not any(trainable.values()):
     raise ValueError('no parameter is trainable')
   flat_shardings = tree_lib.flatten(
@@ -135,7 +172,9 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   frozen = {p: v for p, v in flat.items() if not trainable[p]}
   trained = jax.device_put(trained, {p: flat_shardings[p] for p in trained})
   frozen = jax.device_put(frozen, {p: flat_shardings[p] for p in frozen})
-  consts = jax.device_put(consts, sharding_lib.replicated(mesh))
+  update_mask = jax.device_put({p: m for p, m in update_mask.items() if trainable[p]},
+                               {p: flat_shardings[p] for p in update_mask if trainable[p]})
+  inputs = StepInputs(frozen, update_mask, jax.device_put(consts, sharding_lib.replicated(mesh)))
 
   tx = optimizer(config)
   schedule = learning_rate(config)
@@ -144,14 +183,16 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   state = init(trained)
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
-  def step_fn(state, frozen, consts, images, labels):
+  def step_fn(state, inputs, images, labels):
     rng, step_rng = jax.random.split(state.rng)
 
     def loss_of_trained(trained):
-      return loss_fn(tree_lib.unflatten({**trained, **frozen}), consts, images, labels, step_rng)
+      return loss_fn(tree_lib.unflatten({**trained, **inputs.frozen}), inputs.consts, images,
+                     labels, step_rng)
 
     (loss, metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params,
+                                   update_mask=inputs.update_mask)
     new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
                            rng)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
@@ -161,15 +202,25 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   batch = sharding_lib.batch_sharding(mesh)
   step_jit = jax.jit(
       step_fn, donate_argnums=(0,),
-      in_shardings=(state_shardings, jax.tree.map(lambda x: x.sharding, frozen),
-                    sharding_lib.replicated(mesh), batch, batch),
+      in_shardings=(state_shardings, jax.tree.map(lambda x: x.sharding, inputs), batch, batch),
       out_shardings=(state_shardings, sharding_lib.replicated(mesh)))
-  return Prepared(state, frozen, consts, step_jit, batch)
+  return Prepared(state, inputs, step_jit, batch)
+
+
+def _checked_mask(update_mask: dict[str, Any], flat: dict[str, Any]) -> dict[str, np.ndarray]:
+  for path, mask in update_mask.items():
+    if path not in flat:
+      raise ValueError(f'update_mask names {path!r}, which is not a params leaf')
+    if np.shape(mask) != np.shape(flat[path]):
+      raise ValueError(f'update_mask[{path!r}] has shape {np.shape(mask)}, the leaf '
+                       f'{np.shape(flat[path])}')
+  return {path: np.asarray(mask, bool) for path, mask in update_mask.items()}
 
 
 def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
           trainable: dict[str, bool], consts: PyTree, data: Dataset, workdir: str,
-          mesh: jax.sharding.Mesh, sharding_rules=sharding_lib.REPLICATED_RULES) -> PyTree:
+          mesh: jax.sharding.Mesh, sharding_rules=sharding_lib.REPLICATED_RULES,
+          update_mask: dict[str, Any] | None = None) -> PyTree:
   """Trains the `trainable` leaves of `params` on `data`, resuming from `workdir` if possible.
 
   Args:
@@ -183,13 +234,14 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     workdir: where checkpoints, metrics.jsonl and TensorBoard events go.
     mesh: the device mesh; batches are split over its 'data' axis.
     sharding_rules: (regex, partition spec) pairs placing the params; first match wins.
+    update_mask: {path: bool array}; those leaves change only where True (see `prepare`).
 
   Returns:
     The full params tree after `config.steps` steps (frozen leaves are the inputs, untouched).
   """
-  state, frozen, consts, step_jit, batch = prepare(
+  state, inputs, step_jit, batch = prepare(
       config, loss_fn=loss_fn, params=params, trainable=trainable, consts=consts, mesh=mesh,
-      sharding_rules=sharding_rules)
+      sharding_rules=sharding_rules, update_mask=update_mask)
   os.makedirs(workdir, exist_ok=True)
   mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'),
                             save_every=config.checkpoint_every)
@@ -205,7 +257,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
       for step in range(start, config.steps):
         idx = batch_indices(len(data), config.batch_size, step, config.seed)
         images, labels = jax.device_put(data.batch(idx), batch)
-        state, metrics = step_jit(state, frozen, consts, images, labels)
+        state, metrics = step_jit(state, inputs, images, labels)
         done = step + 1
         # Checked every step, before saving, so that no checkpoint ever holds a diverged state.
         loss = float(metrics['loss'])
@@ -225,7 +277,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
-  return tree_lib.unflatten({**jax.device_get(state.params), **jax.device_get(frozen)})
+  return tree_lib.unflatten({**jax.device_get(state.params), **jax.device_get(inputs.frozen)})
 
 
 def _logged_step(line: str) -> float:

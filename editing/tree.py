@@ -7,6 +7,7 @@ rules pick leaves, and the same names key safetensors files.
 
 import hashlib
 import re
+import zlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -50,6 +51,11 @@ def unflatten(flat: dict[str, Any]) -> dict:
 def map_with_path(fn: Callable[[str, Any], Any], tree: PyTree, *rest: PyTree) -> PyTree:
   """`jax.tree.map` whose function also receives the leaf's '/'-joined path first."""
   return jax.tree_util.tree_map_with_path(lambda p, *x: fn(path_str(p), *x), tree, *rest)
+
+
+def stable_hash(name: str) -> int:
+  """A 31-bit hash of a path or name that is the same in every process (unlike `hash`)."""
+  return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
 def first_match(path: str, rules: Sequence[tuple[str, Any]]) -> Any:

@@ -5,7 +5,11 @@ One experiment lives in one workdir:
   <workdir>/pretrain/                      training state, metrics, params.safetensors
   <workdir>/pretrain/heads/<task>.safetensors   frozen heads fitted on θ0
   <workdir>/finetune/<regime>/<task>/      training state, metrics, task_vector.safetensors
-  <workdir>/results.json, report.md, *.png
+                                           (and update_mask.safetensors for a sparse regime)
+  <workdir>/evaluation/<regime>/           results.json, report.md, alpha_curves.png,
+                                           disentanglement.png
+  <workdir>/results.json, report.md        every evaluated regime, and their comparison
+  <workdir>/merge/<regime>/<method>/       a merging method's result.json and merged params
 """
 
 import json
@@ -73,6 +77,18 @@ def task_vector_file(workdir: str, regime: str, task: str) -> str:
   return os.path.join(finetune_dir(workdir, regime, task), 'task_vector.safetensors')
 
 
+def update_mask_file(workdir: str, regime: str, task: str) -> str:
+  return os.path.join(finetune_dir(workdir, regime, task), 'update_mask.safetensors')
+
+
+def evaluation_dir(workdir: str, regime: str) -> str:
+  return os.path.join(workdir, 'evaluation', regime)
+
+
+def merge_dir(workdir: str, regime: str) -> str:
+  return os.path.join(workdir, 'merge', regime)
+
+
 def tasks(config: ml_collections.ConfigDict) -> list[str]:
   """The downstream tasks named by `config.suite.tasks`, validated."""
   names = [t.strip() for t in config.suite.tasks.split(',') if t.strip()]
@@ -81,6 +97,22 @@ def tasks(config: ml_collections.ConfigDict) -> list[str]:
     raise ValueError(f'config.suite.tasks: unknown task(s) {unknown or names}; choose from '
                      f'{",".join(suite.DOWNSTREAM_TASKS)}')
   return names
+
+
+def configured_regimes(config: ml_collections.ConfigDict) -> list[regimes.Regime]:
+  """The regimes named by `config.regimes`, each with its settings section (e.g. config.talos)."""
+  names = [r.strip() for r in config.regimes.split(',') if r.strip()]
+  unknown = [r for r in names if r not in regimes.REGISTRY]
+  if unknown or not names:
+    raise ValueError(f'config.regimes: unknown regime(s) {unknown or names}; choose from '
+                     f'{",".join(regimes.REGISTRY)}')
+  return [regime(config, r) for r in names]
+
+
+def regime(config: ml_collections.ConfigDict, name: str) -> regimes.Regime:
+  """The regime `name` with the settings of its config section, if it has one."""
+  section = config.get(name)
+  return regimes.get(name, section.to_dict() if section is not None else None)
 
 
 def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:

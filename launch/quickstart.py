@@ -1,10 +1,12 @@
-r"""The whole chain on the built-in suite: pretrain (once), fine-tune every task, evaluate.
+r"""The whole chain on the built-in suite: pretrain (once), fine-tune every task in every
+configured regime, evaluate.
 
   pip install -e . && python -m launch.quickstart
+  python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos
 
 Finished work in the workdir (pretrained backbone, task vectors) is reused on a rerun, and an
 interrupted fine-tune resumes from its last checkpoint. Prints the addition/negation table and
-writes <workdir>/results.json, report.md and alpha_curves.png.
+writes <workdir>/results.json and report.md (and per regime, <workdir>/evaluation/<regime>/).
 """
 
 import time
@@ -22,13 +24,18 @@ from launch import pretrain
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   names = common.tasks(config)
+  regimes = common.configured_regimes(config)
   timings = {}
   start = time.time()
   pretrain.run(config, workdir)
   timings['pretrain'] = time.time() - start
-  for i, task in enumerate(names):
-    logging.info('fine-tuning %s (%d/%d)', task, i + 1, len(names))
-    finetune.run(config, workdir, task)
+  for regime in regimes:
+    regime_start = time.time()
+    for i, task in enumerate(names):
+      logging.info('fine-tuning %s in the %s regime (%d/%d)', task, regime.name, i + 1,
+                   len(names))
+      finetune.run(config, workdir, task, regime)
+    timings[f'finetune_{regime.name}'] = time.time() - regime_start
   timings['finetune'] = time.time() - start - timings['pretrain']
   results = evaluate.run(config, workdir)
   timings['evaluate'] = time.time() - start - timings['pretrain'] - timings['finetune']

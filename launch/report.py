@@ -1,6 +1,9 @@
-"""Human-readable views of results.json: a console table, a markdown report, α-curve plots."""
+"""Human-readable views of results.json: console tables, markdown reports, α-curve plots and
+weight-disentanglement heatmaps."""
 
 import io
+
+import numpy as np
 
 from editing import checkpoint
 
@@ -19,13 +22,62 @@ def _rows(results: dict) -> list[list[str]]:
   return [[r[0]] + [f'{100 * v:.1f}' for v in r[1:]] for r in rows]
 
 
-def table(results: dict) -> str:
-  """A fixed-width table of test accuracies (%), one row per task and a mean row."""
-  rows = [list(_COLUMNS)] + _rows(results)
-  widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+def _fixed_width(header, rows) -> str:
+  rows = [list(header)] + rows
+  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
   lines = ['  '.join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
   lines.insert(1, '-' * len(lines[0]))
   return '\n'.join(lines)
+
+
+def _markdown_table(header, rows) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  return '\n'.join(lines + ['| ' + ' | '.join(row) + ' |' for row in rows]) + '\n'
+
+
+def table(results: dict) -> str:
+  """A fixed-width table of test accuracies (%), one row per task and a mean row."""
+  return _fixed_width(_COLUMNS, _rows(results))
+
+
+_COMPARISON_COLUMNS = ('regime', 'fine-tuned', 'addition', 'addition (norm.)',
+                       'negation target', 'negation control', 'mean ξ')
+
+
+def _comparison_rows(results: dict) -> list[list[str]]:
+  rows = []
+  for regime, r in results['regimes'].items():
+    names = r['tasks']
+    mean = lambda values: 100 * sum(values) / len(values)
+    xi = r['disentanglement']['mean']
+    rows.append([regime,
+                 f'{mean([r["finetuned"][t]["test"] for t in names]):.1f}',
+                 f'{100 * r["addition"]["mean_test"]:.1f}',
+                 f'{100 * r["addition"]["mean_normalized_test"]:.1f}',
+                 f'{mean([r["negation"][t]["target_test"] for t in names]):.1f}',
+                 f'{mean([r["negation"][t]["control_test"] for t in names]):.1f}',
+                 '–' if xi is None else f'{xi:.3f}'])
+  return rows
+
+
+def comparison_table(results: dict) -> str:
+  """One row per regime: mean test accuracies (%) and mean disentanglement error."""
+  return _fixed_width(_COMPARISON_COLUMNS, _comparison_rows(results))
+
+
+def comparison_markdown(results: dict) -> str:
+  """The report over regimes: the comparison table, then each regime's own report."""
+  control = results['control_task']
+  out = io.StringIO()
+  out.write('# Fine-tuning regimes on the built-in suite\n\n')
+  out.write(_markdown_table(_COMPARISON_COLUMNS, _comparison_rows(results)))
+  out.write(f'\nMeans over the {len(results["tasks"])} tasks of test accuracy (%); negation '
+            f'control is {control}. Mean ξ: the weight disentanglement error averaged over the '
+            'grid and the task pairs (0 = adding the other task vector never changes a '
+            'prediction, 2 = it always does).\n')
+  for r in results['regimes'].values():
+    out.write('\n' + markdown(r).replace('# ', '## ', 1))
+  return out.getvalue()
 
 
 def markdown(results: dict) -> str:
@@ -36,9 +88,7 @@ def markdown(results: dict) -> str:
   control_accuracy = 100 * results['pretrained'][control]
   out = io.StringIO()
   out.write(f'# Task arithmetic on the built-in suite ({results["regime"]} fine-tuning)\n\n')
-  out.write('| ' + ' | '.join(_COLUMNS) + ' |\n|' + '---|' * len(_COLUMNS) + '\n')
-  for row in _rows(results):
-    out.write('| ' + ' | '.join(row) + ' |\n')
+  out.write(_markdown_table(_COLUMNS, _rows(results)))
   out.write(f'\nTest accuracy (%). Addition: θ0 + α·Σ τ_t at α = {add["alpha"]} (chosen on '
             'validation by mean normalized accuracy); normalized = accuracy / the single-task '
             'fine-tuned accuracy. Negation: θ0 − α·τ_t, α per task '
@@ -47,12 +97,23 @@ def markdown(results: dict) -> str:
   return out.getvalue()
 
 
-def plot_alpha_curves(results: dict, path: str) -> None:
-  """Validation accuracy against α: addition (mean normalized) and negation (per task)."""
+def _pyplot():
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  return pyplot
 
+
+def _save_png(fig, path: str) -> None:
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png', dpi=110)
+  _pyplot().close(fig)
+  checkpoint.atomic_write_bytes(path, buffer.getvalue())
+
+
+def plot_alpha_curves(results: dict, path: str) -> None:
+  """Validation accuracy against α: addition (mean normalized) and negation (per task)."""
+  plt = _pyplot()
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
   curve = results['addition']['curve']
   left.plot([p['alpha'] for p in curve], [p['normalized_val'] for p in curve], 'k-o', ms=3)
@@ -68,7 +129,64 @@ def plot_alpha_curves(results: dict, path: str) -> None:
             ylabel='val accuracy')
   right.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format='png', dpi=110)
-  plt.close(fig)
-  checkpoint.atomic_write_bytes(path, buffer.getvalue())
+  _save_png(fig, path)
+
+
+def plot_disentanglement(results: dict, path: str) -> None:
+  """ξ(α1, α2) heatmaps, one per task pair, on the fixed scale [0, 2] that ξ spans, so that
+  every regime's figure reads the same."""
+  plt = _pyplot()
+  grid = results['disentanglement']['alphas']
+  pairs = results['disentanglement']['xi']
+  fig, axes = plt.subplots(1, len(pairs), figsize=(3.2 * len(pairs) + 0.8, 3.2), squeeze=False)
+  extent = (grid[0], grid[-1], grid[0], grid[-1])
+  for ax, (pair, xi) in zip(axes[0], pairs.items()):
+    image = ax.imshow(xi, origin='lower', extent=extent, vmin=0.0, vmax=2.0, cmap='viridis')
+    first, second = pair.split(':')
+    ax.set(title=pair, xlabel=f'α ({second})', ylabel=f'α ({first})')
+  fig.colorbar(image, ax=axes[0].tolist(), label='ξ')
+  fig.suptitle(f'weight disentanglement error, {results["regime"]} fine-tuning')
+  _save_png(fig, path)
+
+
+def _merging_rows(summary: dict) -> list[list[str]]:
+  names = summary['tasks']
+  percent = lambda x: f'{100 * x:.1f}'
+  rows = [['pretrained'] + [percent(summary['pretrained'][t]) for t in names] +
+          [percent(np.mean([summary['pretrained'][t] for t in names])), '', '', ''],
+          ['fine-tuned (each task)'] +
+          [percent(summary['finetuned'][t]['test']) for t in names] +
+          [percent(np.mean([summary['finetuned'][t]['test'] for t in names])), '100.0', '', '']]
+  ranked = sorted(summary['methods'].values(), key=lambda r: -r['mean_normalized_test'])
+  for r in ranked:
+    settings = ', '.join(f'{k}={v}' for k, v in r['hyperparameters'].items()
+                         if k in _TUNED.get(r['method'], ()))
+    rows.append([r['method']] + [percent(r['test'][t]) for t in names] +
+                [percent(r['mean_test']), percent(r['mean_normalized_test']), str(r['lambda']),
+                 settings])
+  return rows
+
+
+# The settings worth showing in the table: those a grid may choose.
+_TUNED = {'ties': ('k', 'scope'), 'dare': ('p', 'then'), 'breadcrumbs': ('top', 'bottom'),
+          'consensus': ('k', 'tall_lambda'), 'regmean': ('alpha',)}
+
+
+def _merging_header(summary: dict) -> list[str]:
+  return ['method'] + list(summary['tasks']) + ['mean', 'mean (norm.)', 'λ', 'chosen']
+
+
+def merging_table(summary: dict) -> str:
+  """Per-task and mean test accuracy (%) of every merge, best mean normalized first."""
+  return _fixed_width(_merging_header(summary), _merging_rows(summary))
+
+
+def merging_markdown(summary: dict) -> str:
+  out = io.StringIO()
+  out.write(f'# Merging {len(summary["tasks"])} task vectors ({summary["regime"]} fine-tuning)'
+            '\n\n')
+  out.write(_markdown_table(_merging_header(summary), _merging_rows(summary)))
+  out.write('\nTest accuracy (%), methods sorted by mean normalized accuracy (accuracy / each '
+            'task\'s own fine-tuned accuracy). λ and the chosen hyperparameters were selected '
+            'on validation; λ = 1 for the merges that are not scaled (averages, AdaMerging).\n')
+  return out.getvalue()

@@ -104,3 +104,48 @@ def test_sweeping_alpha_and_datasets_compiles_once():
       evaluator.accuracy(theta0, params, head, data)
   assert evaluator._apply._cache_size() == 1  # pylint: disable=protected-access
   assert evaluator._predict._cache_size() == 1  # pylint: disable=protected-access
+
+
+def two_task_toy(entangled: bool):
+  """A model whose task 1 reads features (0, 1), moved by θ['a'], and task 2 features (2, 3),
+  moved by θ['b'] and, when entangled, also by θ['a']."""
+  rng = np.random.default_rng(1)
+  data = [Dataset(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+                  rng.integers(0, 2, n).astype(np.int32)) for n in (13, 21)]
+
+  def encoder(theta0, params, x):
+    del theta0
+    m = x.mean(axis=(1, 2, 3)) - 0.5
+    a, b = params['a'], params['b'] + (params['a'] if entangled else 0.0)
+    return jnp.stack([m + a, -(m + a) + 0.01, m + b, -(m + b) + 0.01], axis=-1)
+
+  evaluator = evaluate.Evaluator(encoder, logit_scale=1.0, mesh=sharding.make_mesh(1),
+                                 batch_size=16)
+  heads = (jnp.eye(4)[:2], jnp.eye(4)[2:])
+  theta0 = {'a': jnp.float32(0.0), 'b': jnp.float32(0.0)}
+  vectors = (TaskVector({'a': jnp.float32(0.03), 'b': jnp.float32(0.0)}, ('1',), 'full', 'b'),
+             TaskVector({'a': jnp.float32(0.0), 'b': jnp.float32(-0.05)}, ('2',), 'full', 'b'))
+  return evaluator, theta0, vectors, heads, data
+
+
+def test_disentanglement_is_zero_when_the_tasks_read_disjoint_parameters():
+  evaluator, theta0, vectors, heads, data = two_task_toy(entangled=False)
+  xi = evaluate.disentanglement(evaluator, theta0, vectors, heads=heads, data=data,
+                                alphas=evaluate.disentanglement_grid(2.0, 5))
+  assert xi.shape == (5, 5)
+  np.testing.assert_array_equal(xi, 0.0)
+
+
+def test_disentanglement_follows_its_definition():
+  evaluator, theta0, vectors, heads, data = two_task_toy(entangled=True)
+  alphas = evaluate.disentanglement_grid(2.0, 5)
+  xi = evaluate.disentanglement(evaluator, theta0, vectors, heads=heads, data=data,
+                                alphas=alphas)
+  predict = lambda t, params: evaluator.predictions(theta0, params, heads[t], data[t])
+  for i, a1 in enumerate(alphas):
+    for j, a2 in enumerate(alphas):
+      both = evaluator.edit(theta0, a1 * vectors[0] + a2 * vectors[1], 1.0)
+      expected = sum(np.mean(predict(t, both) != predict(t, evaluator.edit(theta0, v, a)))
+                     for t, (v, a) in enumerate(zip(vectors, (a1, a2))))
+      np.testing.assert_allclose(xi[i, j], expected, rtol=0, atol=1e-6)
+  assert xi[2, 2] == 0 and xi.max() > 0.2  # α = (0, 0) is θ0 itself; τ1 moves task 2

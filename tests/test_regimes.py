@@ -16,6 +16,7 @@ from editing.data import suite
 from editing.models import head as head_lib
 from editing.models import vit
 from editing.regimes import attention_only
+from editing.regimes import talos
 
 MODEL = vit.build(quickstart.get_config('tiny').model)
 IMAGES = jax.random.uniform(jax.random.PRNGKey(1), (4, 32, 32, 3))
@@ -119,3 +120,95 @@ def test_attention_only_training_moves_the_attention_weights_and_nothing_else(tm
     else:
       np.testing.assert_array_equal(np.asarray(value).view(np.uint32),
                                     np.asarray(before[path]).view(np.uint32), err_msg=path)
+
+
+HEAD = jax.random.normal(jax.random.PRNGKey(3), (5, MODEL.embed_dim))
+LOGITS = lambda params, images: head_lib.logits(APPLY(params, images), HEAD, 30.0)
+CALIBRATION = np.asarray(jax.random.uniform(jax.random.PRNGKey(4), (7, 32, 32, 3)))
+TALOS_PATHS = sorted(p for p, t in regimes.get('talos').trainable(THETA0).items() if t)
+
+
+def test_talos_eligible_leaves_exclude_the_input_independent_embeddings():
+  assert 'class_embedding' not in TALOS_PATHS and 'position_embedding' not in TALOS_PATHS
+  assert {'patch_embed/kernel', 'proj/kernel', 'ln_pre/scale', 'blocks_1/mlp_fc/bias',
+          'blocks_0/attn/out/kernel', 'blocks_0/ln_2/bias'} <= set(TALOS_PATHS)
+  assert len(TALOS_PATHS) == len(THETA0) - 2 + sum(
+      len(tree_lib.flatten(v)) - 1 for k, v in THETA0.items() if isinstance(v, dict))
+
+
+def test_talos_scores_match_a_slow_per_example_loop():
+  key = jax.random.PRNGKey(5)
+  fast = talos.sensitivity(LOGITS, THETA0, TALOS_PATHS, CALIBRATION, key, batch_size=3)
+  slow = {p: np.zeros(np.shape(v)) for p, v in tree_lib.flatten(THETA0).items()
+          if p in TALOS_PATHS}
+  logits = jax.jit(LOGITS)
+  logit_gradient = jax.jit(jax.grad(lambda params, x, label: LOGITS(params, x)[0, label]))
+  for i in range(len(CALIBRATION)):
+    x = CALIBRATION[i:i + 1]
+    label = jax.random.categorical(jax.random.fold_in(key, i), logits(THETA0, x)[0])
+    for p, g in tree_lib.flatten(logit_gradient(THETA0, x, label)).items():
+      if p in slow:
+        slow[p] += np.square(np.asarray(g, np.float64))
+  assert fast.keys() == slow.keys()
+  for p in slow:
+    np.testing.assert_allclose(fast[p], slow[p], rtol=1e-4, atol=1e-10, err_msg=p)
+
+
+def test_talos_keeps_exactly_round_k_n_of_the_lowest_scores():
+  total = sum(np.size(tree_lib.flatten(THETA0)[p]) for p in TALOS_PATHS)
+  masks = {(keep, rounds): talos.calibrate(LOGITS, THETA0, TALOS_PATHS, CALIBRATION,
+                                           jax.random.PRNGKey(6), keep=keep, rounds=rounds,
+                                           batch_size=4)
+           for keep, rounds in [(0.1, 4), (0.37, 1)]}
+  for (keep, _), mask in masks.items():
+    assert sorted(mask) == TALOS_PATHS
+    assert sum(int(m.sum()) for m in mask.values()) == round(keep * total)
+  # With one round, the kept entries are exactly the lowest-scoring ones of that round.
+  mask = masks[(0.37, 1)]
+  scores = talos.sensitivity(LOGITS, THETA0, TALOS_PATHS, CALIBRATION,
+                             jax.random.fold_in(jax.random.PRNGKey(6), 1), batch_size=4)
+  kept = np.concatenate([scores[p][mask[p]] for p in TALOS_PATHS])
+  dropped = np.concatenate([scores[p][~mask[p]] for p in TALOS_PATHS])
+  assert kept.max() <= dropped.min()
+
+
+def test_talos_breaks_ties_by_position():
+  # Logits that read only the class embedding: every eligible entry scores 0, a full tie.
+  flat_logits = lambda params, images: jnp.tile(params['class_embedding'][:5], (len(images), 1))
+  mask = talos.calibrate(flat_logits, THETA0, TALOS_PATHS, CALIBRATION, jax.random.PRNGKey(0),
+                         keep=0.1, rounds=2, batch_size=4)
+  flat = np.concatenate([mask[p].ravel() for p in TALOS_PATHS])
+  count = int(flat.sum())
+  assert flat[:count].all() and not flat[count:].any()
+
+
+def test_talos_training_leaves_every_masked_out_entry_bit_identical(tmp_path):
+  regime = regimes.get('talos', {'keep': 0.2, 'rounds': 2, 'batch_size': 4})
+  task = suite.load_task('colour', seed=0, train_size=64, test_size=8)
+  head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, MODEL.embed_dim))
+  logits_fn = lambda params, images: head_lib.logits(APPLY(params, images), head, 30.0)
+  mask = regime.update_mask(THETA0, logits_fn=logits_fn, images=CALIBRATION,
+                            key=jax.random.PRNGKey(0))
+  trained = train.train(
+      quickstart.training(steps=3, batch_size=16, warmup_steps=1, checkpoint_every=3),
+      loss_fn=head_lib.frozen_head_loss(regime.encoder(APPLY), 30.0), params=THETA0,
+      trainable=regime.trainable(THETA0), consts={'theta0': THETA0, 'head': head},
+      data=task.train, workdir=str(tmp_path), mesh=sharding.make_mesh(1), update_mask=mask)
+  before, after = tree_lib.flatten(THETA0), tree_lib.flatten(trained)
+  moved = 0
+  for path, value in after.items():
+    value, base = np.asarray(value), np.asarray(before[path])
+    outside = ~mask[path] if path in mask else np.ones(base.shape, bool)
+    np.testing.assert_array_equal(value[outside].view(np.uint32), base[outside].view(np.uint32),
+                                  err_msg=path)
+    moved += int((value != base).sum())
+  kept = sum(int(m.sum()) for m in mask.values())
+  assert moved > 0.9 * kept, f'only {moved} of the {kept} kept entries moved'
+
+
+def test_regime_settings_are_checked():
+  assert regimes.get('talos', {'keep': 0.05}).keep == 0.05
+  with pytest.raises(ValueError, match='talos.sparsity is not a setting'):
+    regimes.get('talos', {'sparsity': 0.9})
+  with pytest.raises(ValueError, match=r'talos.keep must be in \(0, 1\]'):
+    regimes.get('talos', {'keep': 1.5})

@@ -9,6 +9,7 @@ import sys
 import time
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -41,7 +42,7 @@ def latest_checkpoint(workdir):
   return max(steps, default=0)
 
 
-@pytest.mark.parametrize('regime', ['full', 'attention_only', 'linearized'])
+@pytest.mark.parametrize('regime', ['full', 'attention_only', 'linearized', 'talos'])
 def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime):
   steps = 24
   run_python([DRIVER, f'--workdir={tmp_path / "straight"}', f'--out={tmp_path / "a.npz"}',
@@ -170,3 +171,37 @@ def test_batch_size_must_split_over_the_data_axis():
   sharding.check_batch_size(eight_devices, 64)
   with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8 devices'):
     sharding.check_batch_size(eight_devices, 12)
+
+
+def test_update_mask_moves_only_its_entries_while_adam_sees_every_gradient():
+  params, data, loss_fn = tiny_problem()
+  mask = np.array([[True, False], [False, False], [True, True]])
+  config = quickstart.training(steps=4, batch_size=16, weight_decay=0.5)
+  trainable = {'w': True, 'b': True, 'frozen/v': False}
+  prepared = train.prepare(config, loss_fn=loss_fn, params=params, trainable=trainable,
+                           consts={}, mesh=sharding.make_mesh(1),
+                           update_mask={'w': mask, 'b': np.zeros(2, bool)})
+  assert set(prepared.state.params) == {'w'}, 'an all-False mask must freeze its leaf'
+  state = prepared.state
+  for step in range(config.steps):
+    images, labels = data.batch(suite.batch_indices(len(data), 16, step, 0))
+    state, _ = prepared.step(state, prepared.inputs, images, labels)
+  w0, w = np.asarray(params['w']), np.asarray(state.params['w'])
+  np.testing.assert_array_equal(w[~mask].view(np.uint32), w0[~mask].view(np.uint32))
+  assert (w[mask] != w0[mask]).all()
+  first_moment = next(s for s in jax.tree.leaves(
+      state.opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+                      if isinstance(s, optax.ScaleByAdamState)).mu['w']
+  assert (np.asarray(first_moment)[~mask] != 0).all(), 'moments must see unmasked gradients'
+
+
+def test_update_mask_errors_name_the_leaf():
+  params, _, loss_fn = tiny_problem()
+  kwargs = dict(loss_fn=loss_fn, params=params, trainable={'w': True, 'b': True,
+                                                           'frozen/v': False},
+                consts={}, mesh=sharding.make_mesh(1))
+  config = quickstart.training(batch_size=16)
+  with pytest.raises(ValueError, match="update_mask names 'w2'"):
+    train.prepare(config, update_mask={'w2': np.ones((3, 2), bool)}, **kwargs)
+  with pytest.raises(ValueError, match=r"update_mask\['b'\] has shape \(3,\)"):
+    train.prepare(config, update_mask={'b': np.ones(3, bool)}, **kwargs)

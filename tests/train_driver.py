@@ -35,8 +35,11 @@ def main():
   theta0 = module.init(jax.random.PRNGKey(0), task.train.batch([0])[0])['params']
   head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, config.model.embed_dim))
   regime = regimes.get(args.regime)
-  loss_fn = head_lib.frozen_head_loss(
-      regime.encoder(lambda p, x: module.apply({'params': p}, x)), config.head.logit_scale)
+  encoder = regime.encoder(lambda p, x: module.apply({'params': p}, x))
+  loss_fn = head_lib.frozen_head_loss(encoder, config.head.logit_scale)
+  update_mask = regime.update_mask(
+      theta0, images=task.val.batch(np.arange(len(task.val)))[0], key=jax.random.PRNGKey(2),
+      logits_fn=lambda p, x: head_lib.logits(encoder(theta0, p, x), head, config.head.logit_scale))
 
   train_config = quickstart.training(steps=args.steps, batch_size=32, learning_rate=1e-3,
                                      warmup_steps=3, checkpoint_every=args.checkpoint_every,
@@ -44,7 +47,8 @@ def main():
   params = train.train(train_config, loss_fn=loss_fn, params=theta0,
                        trainable=regime.trainable(theta0),
                        consts={'theta0': theta0, 'head': head}, data=task.train,
-                       workdir=args.workdir, mesh=sharding.make_mesh(args.devices))
+                       workdir=args.workdir, mesh=sharding.make_mesh(args.devices),
+                       update_mask=update_mask)
   np.savez(args.out, **{k: np.asarray(v) for k, v in tree_lib.flatten(params).items()})
 
 

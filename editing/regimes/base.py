@@ -3,11 +3,15 @@
 import dataclasses
 from typing import Any, Callable
 
+import jax
+import numpy as np
+
 from editing import tree as tree_lib
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, Any], Any]  # apply_fn(params, images) -> embeddings
 Encoder = Callable[[PyTree, PyTree, Any], Any]  # encoder(theta0, params, images) -> embeddings
+LogitsFn = Callable[[PyTree, Any], Any]  # logits_fn(params, images) -> class logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,3 +34,10 @@ class Regime:
   def encoder(self, apply_fn: ApplyFn) -> Encoder:
     """f(x; θ): the model itself; θ0 is not read."""
     return lambda theta0, params, images: apply_fn(params, images)
+
+  def update_mask(self, params: PyTree, *, logits_fn: LogitsFn, images: np.ndarray,
+                  key: jax.Array) -> dict[str, np.ndarray] | None:
+    """Elementwise masks {path: bool array} on the trainable leaves' updates, fitted on
+    calibration `images` before fine-tuning; None for a dense regime (the default)."""
+    del params, logits_fn, images, key
+    return None

@@ -1,0 +1,51 @@
+r"""Merging the suite's task vectors with every method of `merging/`, and evaluating each merge.
+
+  python -m launch.quickstart                      # first: the backbone and the task vectors
+  python -m launch.merge --config=configs/merge.py
+  python -m launch.merge --config=configs/merge.py --config.merge.methods=ties \
+      --config.ties.k=0.2 --config.ties.scope=tensor
+  python -m launch.merge --config=configs/merge.py --config.regimes=attention_only
+
+Derived from configs/quickstart.py (same backbone, suite and task vectors; the same workdir).
+A method's hyperparameter given as a comma-separated list ('0.1,0.2') is a grid: every value is
+merged and the one with the best mean normalized validation accuracy is kept, with λ (for the
+methods that scale their merge) chosen on the same validation sweep.
+"""
+
+import ml_collections
+
+import merging
+from configs import quickstart
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = quickstart.get_config(arg)
+
+  # Which methods, λ's grid 0, lambda_step, ..., 1, and the examples per task that the
+  # data-driven methods read (Fisher and RegMean: labeled train; AdaMerging: unlabeled test).
+  config.merge = ml_collections.ConfigDict(dict(
+      methods=','.join(merging.REGISTRY),
+      lambda_step=0.1,
+      seed=0,
+      train_examples=256,
+  ))
+
+  # Each method's hyperparameters (merging/<method>.py).
+  config.ties = ml_collections.ConfigDict(dict(k='0.1,0.2,0.3', scope='global'))
+  config.dare = ml_collections.ConfigDict(dict(p='0.3,0.5,0.7', then='task_arithmetic'))
+  config.breadcrumbs = ml_collections.ConfigDict(dict(top='0.01', bottom='0.89'))
+  config.consensus = ml_collections.ConfigDict(dict(k='2', tall_lambda='0.3,0.5'))
+  config.fisher = ml_collections.ConfigDict(dict(batch_size=32))
+  config.regmean = ml_collections.ConfigDict(dict(alpha='0.9', batch_size=64))
+  adamerging = dict(steps=200, learning_rate=1e-3, init=0.3, batch_size=16)
+  config.adamerging_task = ml_collections.ConfigDict(adamerging)
+  config.adamerging_layer = ml_collections.ConfigDict(adamerging)
+
+  if arg == 'tiny':
+    config.merge.update(lambda_step=0.5, train_examples=32)
+    config.ties.k = '0.2'
+    config.dare.p = '0.5'
+    config.consensus.tall_lambda = '0.5'
+    config.adamerging_task.steps = 3
+    config.adamerging_layer.steps = 3
+  return config

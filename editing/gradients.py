@@ -1,0 +1,53 @@
+"""Sums of squared per-example gradients, Σ_i (∂ g(θ; x_i) / ∂θ)², the diagonal-Fisher estimate
+that TaLoS's sensitivity scores and Fisher merging both rest on."""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from editing import tree as tree_lib
+
+PyTree = Any
+# example_fn(params, image, extra, shared) -> scalar, for one example (image without batch axis)
+ExampleFn = Callable[[PyTree, jax.Array, jax.Array, Any], jax.Array]
+
+
+class SquaredGradientSum:
+  """Σ_i (∂ example_fn(θ, x_i, e_i, c) / ∂θ_j)² for the leaves of θ at `paths`.
+
+  Per-example gradients come from `jax.vmap` over chunks of `batch_size` examples, compiled once
+  for every call; `e_i` is a per-example extra (a label, an index) and `c` a value shared by all
+  (e.g. a PRNG key). The other leaves enter as constants and are not differentiated.
+  """
+
+  def __init__(self, example_fn: ExampleFn, params: PyTree, paths: list[str], batch_size: int):
+    flat = tree_lib.flatten(params)
+    self._scored = {p: flat[p] for p in paths}
+    self._rest = {p: v for p, v in flat.items() if p not in self._scored}
+    self._batch_size = batch_size
+
+    def of_scored(scored, rest, image, extra, shared):
+      return example_fn(tree_lib.unflatten({**scored, **rest}), image, extra, shared)
+
+    def chunk_sum(scored, rest, images, extras, weights, shared):
+      grads = jax.vmap(jax.grad(of_scored), in_axes=(None, None, 0, 0, None))(
+          scored, rest, images, extras, shared)
+      return jax.tree.map(lambda g: jnp.tensordot(weights, jnp.square(g), axes=1), grads)
+
+    self._chunk_sum = jax.jit(chunk_sum)
+
+  def __call__(self, images: np.ndarray, extras: np.ndarray, shared=None) -> dict[str, np.ndarray]:
+    size = self._batch_size
+    totals = {p: np.zeros(np.shape(v), np.float32) for p, v in self._scored.items()}
+    for start in range(0, len(images), size):
+      count = min(size, len(images) - start)
+      # The last chunk is padded to the same shape (one compile) and its padding weighted 0.
+      pad = lambda a: np.concatenate([a[start:start + count],
+                                      np.zeros((size - count,) + a.shape[1:], a.dtype)])
+      weights = (np.arange(size) < count).astype(np.float32)
+      sums = self._chunk_sum(self._scored, self._rest, pad(images), pad(extras), weights, shared)
+      for p, s in jax.device_get(sums).items():
+        totals[p] += s
+    return totals

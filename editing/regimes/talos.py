@@ -1,0 +1,123 @@
+"""TaLoS: fine-tune only the parameters least sensitive to the task, chosen by a sparse mask.
+
+Iurada et al., "Efficient Model Editing with Task-Localized Sparse Fine-tuning", ICLR 2025.
+
+Sensitivity of eligible entry j, on the task's calibration inputs x (its validation split), at θ0
+with the frozen head, is the diagonal Fisher estimated with one sampled label per input:
+
+  ŷ(x) ~ softmax(f(x; θ0)),    s_j = Σ_x (∂ f_ŷ(x)(x; θ0) / ∂θ_j)²,
+
+the gradient of the sampled *raw logit* (not the log-softmax, not the loss), per example. Pruning
+runs R rounds (default 4): round r rescores with fresh samples, gives entries already dropped a
+score of +∞, and keeps the round(k^(r/R)·N) lowest-scoring of the N eligible entries under one
+global threshold over every eligible leaf (ties broken by position, so the count is exact). The
+last round keeps round(k·N), k = 0.1 by default. Fine-tuning then moves only the kept entries:
+AdamW's step and decoupled weight decay are multiplied by the mask (`editing.train.mask_updates`)
+while Adam's moments and the gradient clip see the unmasked gradients, and a leaf with no kept
+entry is frozen outright.
+
+Choices where the paper is silent:
+- Eligible: the patch embedding, every attention and MLP weight and bias, every LayerNorm and the
+  final projection (an ordinary linear layer). Not eligible, hence frozen: the class token and the
+  position embeddings, input-independent offsets that shift every input's features, the opposite
+  of a localized edit. (The authors' code leaves those and the projection dense by accident of
+  its module structure.)
+- The mask selects what trains, not what exists, so the model scored in every round is θ0 itself;
+  rounds differ in their sampled labels and in the +∞ of dropped entries, and the schedule keeps
+  what is insensitive under every round's sample.
+- Sample i of round r is drawn with fold_in(fold_in(key, r), i), so the scores do not depend on
+  how the calibration set is split into batches.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from editing import gradients
+from editing import tree as tree_lib
+from editing.regimes.base import LogitsFn, PyTree, Regime
+
+ELIGIBLE = (
+    r'patch_embed/kernel',
+    r'blocks_\d+/attn/(query|key|value|out)/(kernel|bias)',
+    r'blocks_\d+/(mlp_fc|mlp_proj)/(kernel|bias)',
+    r'(blocks_\d+/ln_1|blocks_\d+/ln_2|ln_pre|ln_post)/(scale|bias)',
+    r'proj/kernel',
+)
+
+
+def sensitivity(logits_fn: LogitsFn, params: PyTree, paths: list[str], images: np.ndarray,
+                key: jax.Array, batch_size: int = 32) -> dict[str, np.ndarray]:
+  """s_j = Σ_i (∂ f_ŷᵢ(xᵢ) / ∂θ_j)² for the leaves at `paths`, ŷᵢ ~ softmax(f(xᵢ)).
+
+  Per-example gradients come from `jax.vmap` over chunks of `batch_size` inputs; label i is
+  drawn with fold_in(key, i).
+  """
+  return _scorer(logits_fn, params, paths, batch_size)(images, np.arange(len(images)), key)
+
+
+def _scorer(logits_fn, params, paths, batch_size) -> gradients.SquaredGradientSum:
+  def sampled_logit(params, image, index, key):
+    logits = logits_fn(params, image[None])[0]
+    label = jax.random.categorical(jax.random.fold_in(key, index),
+                                   jax.lax.stop_gradient(logits))
+    return logits[label]
+
+  return gradients.SquaredGradientSum(sampled_logit, params, paths, batch_size)
+
+
+def calibrate(logits_fn: LogitsFn, params: PyTree, paths: list[str], images: np.ndarray,
+              key: jax.Array, *, keep: float, rounds: int,
+              batch_size: int = 32) -> dict[str, np.ndarray]:
+  """The TaLoS mask {path: bool array}: True on the least sensitive entries, kept for training.
+
+  After round r of `rounds`, exactly round(keep^(r/rounds) · N) of the N entries of the leaves
+  at `paths` are True: the lowest scores of that round among those still kept, one threshold
+  over all leaves, ties to the earlier (path-sorted, row-major) position.
+  """
+  paths = sorted(paths)
+  flat = tree_lib.flatten(params)
+  sizes = [int(np.size(flat[p])) for p in paths]
+  total = sum(sizes)
+  kept = np.ones(total, bool)
+  scorer = _scorer(logits_fn, params, paths, batch_size)
+  for r in range(1, rounds + 1):
+    scores = scorer(images, np.arange(len(images)), jax.random.fold_in(key, r))
+    flat_scores = np.concatenate([scores[p].ravel() for p in paths]).astype(np.float64)
+    flat_scores[~kept] = np.inf
+    count = int(round(keep ** (r / rounds) * total))
+    kept = np.zeros(total, bool)
+    kept[np.argsort(flat_scores, kind='stable')[:count]] = True
+  pieces = np.split(kept, np.cumsum(sizes)[:-1])
+  return {p: piece.reshape(np.shape(flat[p])) for p, piece in zip(paths, pieces)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Talos(Regime):
+  """Sparse fine-tuning of the least task-sensitive fraction `keep` of the eligible entries.
+
+  Attributes:
+    keep: k, the fraction of eligible entries that train (0.1 = 90% sparsity).
+    rounds: R, the pruning rounds, each rescoring.
+    batch_size: examples per vmapped chunk of per-example gradients.
+  """
+
+  keep: float = 0.1
+  rounds: int = 4
+  batch_size: int = 32
+
+  def __post_init__(self):
+    if not 0 < self.keep <= 1:
+      raise ValueError(f'{self.name}.keep must be in (0, 1], got {self.keep}')
+    if self.rounds < 1 or self.batch_size < 1:
+      raise ValueError(f'{self.name}.rounds and {self.name}.batch_size must be positive, got '
+                       f'{self.rounds} and {self.batch_size}')
+
+  def update_mask(self, params, *, logits_fn, images, key):
+    paths = [p for p, eligible in self.trainable(params).items() if eligible]
+    return calibrate(logits_fn, params, paths, images, key, keep=self.keep, rounds=self.rounds,
+                     batch_size=self.batch_size)
+
+
+TALOS = Talos('talos', trainable_patterns=ELIGIBLE)

@@ -1,0 +1,17 @@
+"""Weight averaging, the model soup of the fine-tuned models: θ = (1/T) Σ_t θ_t.
+
+Wortsman et al., "Model soups: averaging weights of multiple fine-tuned models improves accuracy
+without increasing inference time", ICML 2022. As a task vector, τ_m = (1/T) Σ_t τ_t applied at
+λ = 1; it has no hyperparameter (scaling it would make it task arithmetic).
+"""
+
+from typing import Sequence
+
+from editing.task_vector import TaskVector
+from merging import base
+
+
+def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
+  """τ_m = mean of the task vectors."""
+  base.check(task_vectors, 'averaging')
+  return base.merged(task_vectors, (1.0 / len(task_vectors) * sum(task_vectors)).delta)

@@ -1,0 +1,61 @@
+"""What every merging method shares: input checks, the merged vector's provenance, and the data
+the data-driven methods read."""
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from editing import tree as tree_lib
+from editing.task_vector import TaskVector
+
+PyTree = Any
+# logits_fn(params, images) -> (batch, classes): the regime's encoder and the task's frozen head
+LogitsFn = Callable[[PyTree, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TaskData:
+  """One task's data for a data-driven merge (Fisher, RegMean, AdaMerging).
+
+  Attributes:
+    logits_fn: logits_fn(params, images) of the full params tree (θ0 + a merged τ).
+    images: float32 inputs (N, H, W, C); unlabeled unless `labels` is given.
+    labels: int labels, read only by methods that need them (Fisher); None otherwise.
+  """
+
+  logits_fn: LogitsFn
+  images: np.ndarray
+  labels: np.ndarray | None = None
+
+
+def check(task_vectors: Sequence[TaskVector], method: str) -> None:
+  """At least one vector; all of one regime and base, with the same tree (else name the path)."""
+  if not task_vectors:
+    raise ValueError(f'{method} needs at least one task vector')
+  first = task_vectors[0]
+  for other in task_vectors[1:]:
+    if (other.regime, other.base) != (first.regime, first.base):
+      raise ValueError(f'{method}: task vectors of {first.tasks} ({first.regime}, base '
+                       f'{first.base}) and {other.tasks} ({other.regime}, base {other.base}) '
+                       'cannot be merged')
+    mismatch = tree_lib.first_mismatch(first.delta, other.delta)
+    if mismatch is not None:
+      raise ValueError(f'{method}: task vectors of {first.tasks} and {other.tasks} differ at '
+                       f'{mismatch}')
+
+
+def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:
+  """A vector carrying `delta` and the union of the inputs' tasks, regime and base."""
+  tasks = tuple(dict.fromkeys(t for v in task_vectors for t in v.tasks))
+  first = task_vectors[0]
+  return TaskVector(delta, tasks, first.regime, first.base)
+
+
+def task_of(vector: TaskVector, data: Mapping[str, TaskData], method: str) -> TaskData:
+  """The data of a single-task vector's task."""
+  if len(vector.tasks) != 1 or vector.tasks[0] not in data:
+    raise ValueError(f'{method} needs single-task vectors with data for their task; got tasks '
+                     f'{vector.tasks}, data for {sorted(data)}')
+  return data[vector.tasks[0]]

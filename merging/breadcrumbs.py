@@ -1,0 +1,28 @@
+"""Model Breadcrumbs: drop the largest and the smallest magnitudes of every layer of every task
+vector, then task arithmetic.
+
+Davari & Belilovsky, "Model Breadcrumbs: Scaling Multi-Task Model Merging with Sparse Masks",
+ECCV 2024:
+
+  τ_m = Σ_t m_t ⊙ τ_t,   m_t keeps, per leaf, the magnitudes between the ⌊bottom·n⌋ smallest
+  and the ⌊top·n⌋ largest.
+
+The largest entries are outliers whose sum interferes across tasks; the smallest are noise.
+Defaults keep 10% of each leaf after dropping its top 1% (`top=0.01`, `bottom=0.89`); λ is
+chosen on validation.
+"""
+
+from typing import Sequence
+
+from editing.task_vector import TaskVector
+from merging import base
+from merging import ops
+
+
+def merge(task_vectors: Sequence[TaskVector], *, top: float = 0.01,
+          bottom: float = 0.89) -> TaskVector:
+  """Σ_t of each vector with its per-leaf magnitude tails dropped."""
+  base.check(task_vectors, 'breadcrumbs')
+  return base.merged(task_vectors, sum(
+      v.replace(delta=ops.where(ops.keep_band(v.delta, top, bottom), v.delta))
+      for v in task_vectors).delta)

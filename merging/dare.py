@@ -1,0 +1,45 @@
+"""DARE: drop a share p of every task vector's entries at random and rescale the rest, then
+merge with task arithmetic or TIES.
+
+Yu et al., "Language Models are Super Mario: Absorbing Abilities from Homologous Models as a
+Free Lunch", ICML 2024:
+
+  τ̃_t = (1 − m_t) ⊙ τ_t / (1 − p),   m_t ~ Bernoulli(p) per entry.
+
+Peers draw the masks from a global RNG, so their result depends on the order of the vectors and
+of the parameters. Here task t's leaf at `path` draws from
+fold_in(fold_in(key, stable_hash(task)), stable_hash(path)): the same key gives the same bits
+whatever the order, the device count or the sharding. p = 0 is the base merge exactly.
+"""
+
+from typing import Sequence
+
+import jax
+
+from editing import tree as tree_lib
+from editing.task_vector import TaskVector
+from merging import base
+from merging import ops
+from merging import task_arithmetic
+from merging import ties
+
+BASE_MERGES = ('task_arithmetic', 'ties')
+
+
+def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array) -> list[TaskVector]:
+  """τ̃_t for every vector, each keyed by its tasks' names."""
+  return [v.replace(delta=ops.drop_and_rescale(
+      v.delta, p, jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks)))))
+          for v in task_vectors]
+
+
+def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float = 0.5,
+          then: str = 'task_arithmetic', k: float = 0.2, scope: str = 'global') -> TaskVector:
+  """DARE followed by `then` ('task_arithmetic' or 'ties', which reads k and scope)."""
+  base.check(task_vectors, 'dare')
+  dropped = drop(task_vectors, p, key)
+  if then == 'task_arithmetic':
+    return task_arithmetic.merge(dropped)
+  if then == 'ties':
+    return ties.merge(dropped, k=k, scope=scope)
+  raise ValueError(f'dare: then must be one of {BASE_MERGES}, got {then!r}')

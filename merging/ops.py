@@ -1,0 +1,102 @@
+"""The primitives merges are built from: trim, elect a sign, take the disjoint mean, drop and
+rescale. Each maps deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state."""
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from editing import tree as tree_lib
+
+PyTree = Any
+SCOPES = ('tensor', 'global')
+
+
+def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree:
+  """Boolean masks of the top-`density` magnitudes: max(1, ⌊density·n⌋) entries, exactly.
+
+  scope='tensor' keeps that share of every leaf on its own (as mergekit does); scope='global'
+  ranks the whole tree at once (as the TIES paper and FusionBench do). Ties go to the earlier
+  entry (path order, then row-major), so the count is exact.
+  """
+  if scope not in SCOPES:
+    raise ValueError(f'scope must be one of {SCOPES}, got {scope!r}')
+  if not 0 < density <= 1:
+    raise ValueError(f'density must be in (0, 1], got {density}')
+  if scope == 'tensor':
+    return jax.tree.map(lambda d: _keep_largest_flat(jnp.abs(d).ravel(), density).reshape(d.shape),
+                        delta)
+  leaves, treedef = jax.tree.flatten(delta)
+  kept = _keep_largest_flat(jnp.concatenate([jnp.abs(d).ravel() for d in leaves]), density)
+  pieces = jnp.split(kept, _offsets(leaves))
+  return jax.tree.unflatten(treedef, [p.reshape(d.shape) for p, d in zip(pieces, leaves)])
+
+
+def _keep_largest_flat(magnitudes: jax.Array, density: float) -> jax.Array:
+  count = max(1, int(density * magnitudes.size))
+  order = jnp.argsort(-magnitudes, stable=True)
+  return jnp.zeros(magnitudes.shape, bool).at[order[:count]].set(True)
+
+
+def _offsets(leaves) -> list[int]:
+  offsets, total = [], 0
+  for leaf in leaves[:-1]:
+    total += leaf.size
+    offsets.append(total)
+  return offsets
+
+
+def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
+  """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
+  if top < 0 or bottom < 0 or top + bottom >= 1:
+    raise ValueError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
+
+  def band(d):
+    n = d.size
+    rank = jnp.empty(n, jnp.int32).at[jnp.argsort(jnp.abs(d).ravel(), stable=True)].set(
+        jnp.arange(n, dtype=jnp.int32))
+    return ((rank >= int(bottom * n)) & (rank < n - int(top * n))).reshape(d.shape)
+
+  return jax.tree.map(band, delta)
+
+
+def where(mask: PyTree, delta: PyTree) -> PyTree:
+  """m ⊙ τ."""
+  return jax.tree.map(lambda m, d: jnp.where(m, d, jnp.zeros_like(d)), mask, delta)
+
+
+def elect_sign(deltas: Sequence[PyTree]) -> PyTree:
+  """γ = sgn(Σ_t τ_t) per entry, with a zero sum elected +1 (as mergekit does)."""
+  return jax.tree.map(lambda *ds: jnp.where(sum(ds) >= 0, 1.0, -1.0).astype(ds[0].dtype),
+                      *deltas)
+
+
+def disjoint_mean(deltas: Sequence[PyTree], sign: PyTree) -> PyTree:
+  """Per entry, the mean of the non-zero τ_t whose sign is γ; 0 where none is."""
+
+  def mean(s, *ds):
+    agree = [(jnp.sign(d) == s) & (d != 0) for d in ds]
+    total = sum(jnp.where(a, d, 0.0) for a, d in zip(agree, ds))
+    count = sum(a.astype(total.dtype) for a in agree)
+    return total / jnp.maximum(count, 1.0)
+
+  return jax.tree.map(mean, sign, *deltas)
+
+
+def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
+  """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE).
+
+  Each leaf draws from fold_in(key, stable_hash(path)), so the result does not depend on the
+  traversal order, the device count or the sharding; p = 0 returns τ unchanged.
+  """
+  if not 0 <= p < 1:
+    raise ValueError(f'drop probability p must be in [0, 1), got {p}')
+  if p == 0:
+    return delta
+
+  def drop(path, d):
+    keep = jax.random.bernoulli(jax.random.fold_in(key, tree_lib.stable_hash(path)), 1 - p,
+                                d.shape)
+    return jnp.where(keep, d / (1 - p), jnp.zeros_like(d))
+
+  return tree_lib.map_with_path(drop, delta)

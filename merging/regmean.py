@@ -1,0 +1,105 @@
+"""RegMean: merge every linear layer in closed form from its tasks' input Gram matrices.
+
+Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023. For a
+linear layer y = x W with task t's inputs X_t (rows: every token of every example) and weights W_t,
+the W minimising Σ_t ‖X_t W − X_t W_t‖² is
+
+  W_m = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t,   G_t = X_tᵀ X_t,   G̃_t = α G_t + (1 − α) diag(G_t),
+
+where shrinking the off-diagonal by α (default 0.9) regularises towards plain averaging (α = 0
+is the mean of the W_t). Each task's Grams are taken on its own fine-tuned model θ0 + τ_t. The
+linear layers are every Dense/DenseGeneral the model calls (multi-axis kernels are flattened
+to 2-D); every other leaf (biases, LayerNorms, embeddings) is averaged. As a task vector,
+τ_m = θ_m − θ0, applied at λ = 1.
+
+Linearized task vectors are refused: their model is not a stack of linear layers in θ.
+"""
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from editing import tree as tree_lib
+from editing.task_vector import TaskVector
+from merging import base
+
+ApplyFn = Callable[[Any, jax.Array], Any]  # the plain model: apply_fn(params, images)
+
+
+def gram_matrices(apply_fn: ApplyFn, params: base.PyTree, images: np.ndarray,
+                  batch_size: int = 64) -> dict[str, np.ndarray]:
+  """{kernel path: Σ xᵀx over the inputs x of that linear layer}, for every Dense layer."""
+
+  def grams_of_batch(params, images, weights):
+    grams = {}
+
+    def capture(next_fun, args, kwargs, context):
+      if isinstance(context.module, (nn.Dense, nn.DenseGeneral)) and \
+          context.method_name == '__call__':
+        path = '/'.join(context.module.path + ('kernel',))
+        kernel = tree_lib.flatten(params)[path]
+        x = args[0].reshape(args[0].shape[0], -1, _fan_in(kernel.shape, args[0].shape))
+        grams[path] = jnp.einsum('b,bni,bnj->ij', weights, x, x)
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(capture):
+      apply_fn(params, images)
+    return grams
+
+  grams_of_batch = jax.jit(grams_of_batch)
+  totals: dict[str, np.ndarray] = {}
+  for start in range(0, len(images), batch_size):
+    count = min(batch_size, len(images) - start)
+    chunk = np.zeros((batch_size,) + images.shape[1:], images.dtype)
+    chunk[:count] = images[start:start + count]
+    weights = (np.arange(batch_size) < count).astype(np.float32)
+    for path, gram in jax.device_get(grams_of_batch(params, chunk, weights)).items():
+      totals[path] = totals.get(path, 0.0) + gram.astype(np.float64)
+  return totals
+
+
+def _fan_in(kernel_shape, input_shape) -> int:
+  """The size of the input axes a kernel contracts: its leading axes that end the input's."""
+  for axes in range(1, len(kernel_shape)):
+    if tuple(kernel_shape[:axes]) == tuple(input_shape[-axes:]):
+      return math.prod(kernel_shape[:axes])
+  raise ValueError(f'kernel {kernel_shape} does not contract inputs {input_shape}')
+
+
+def combine(task_vectors: Sequence[TaskVector], theta0: base.PyTree,
+            grams: Sequence[Mapping[str, np.ndarray]], alpha: float = 0.9) -> TaskVector:
+  """The RegMean vector from each task's Grams (same keys for every task); jit-able."""
+  base.check(task_vectors, 'regmean')
+  if not 0 <= alpha <= 1:
+    raise ValueError(f'regmean alpha must be in [0, 1], got {alpha}')
+  flat0 = tree_lib.flatten(theta0)
+  deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
+  merged = {}
+  for path, w0 in flat0.items():
+    if path not in grams[0]:
+      merged[path] = sum(d[path] for d in deltas) / len(deltas)
+      continue
+    fan_in = grams[0][path].shape[0]
+    shrunk = [alpha * g + (1 - alpha) * jnp.diag(jnp.diag(g)) for g in
+              (jnp.asarray(g[path], jnp.float32) for g in grams)]
+    weights = [(w0 + d[path]).reshape(fan_in, -1) for d in deltas]
+    solved = jnp.linalg.solve(sum(shrunk), sum(g @ w for g, w in zip(shrunk, weights)))
+    merged[path] = solved.reshape(w0.shape) - w0
+  return base.merged(task_vectors, tree_lib.unflatten(merged))
+
+
+def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree, apply_fn: ApplyFn,
+          data: Mapping[str, base.TaskData], alpha: float = 0.9,
+          batch_size: int = 64) -> TaskVector:
+  """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
+  base.check(task_vectors, 'regmean')
+  if task_vectors[0].regime == 'linearized':
+    raise ValueError('regmean merges layer by layer through the model itself; linearized task '
+                     'vectors act through the tangent model, which has no such layers')
+  grams = [gram_matrices(apply_fn, v.apply_to(theta0), base.task_of(v, data, 'regmean').images,
+                         batch_size) for v in task_vectors]
+  return combine(task_vectors, theta0, grams, alpha)

@@ -1,0 +1,387 @@
+"""Merging methods: contracts every method keeps, and each method's defining property."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import merging
+from editing import tree as tree_lib
+from editing.task_vector import TaskVector
+from merging import adamerging
+from merging import base
+from merging import consensus
+from merging import dare
+from merging import fisher
+from merging import ops
+from merging import regmean
+from merging import ties
+
+TASKS = ('t0', 't1', 't2')
+
+
+class TinyNet(nn.Module):
+  """Two Dense layers, so that RegMean has linear layers to merge and Fisher gradients to read."""
+
+  @nn.compact
+  def __call__(self, x):
+    hidden = jnp.tanh(nn.Dense(6, name='hidden')(x))
+    return nn.Dense(3, name='out')(hidden)
+
+
+NET = TinyNet()
+THETA0 = NET.init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))['params']
+APPLY = lambda params, x: NET.apply({'params': params}, x)
+
+
+def random_vectors(seed=0, scale=0.1, tasks=TASKS, regime='full'):
+  leaves, treedef = jax.tree.flatten(THETA0)
+  vectors = []
+  for i, task in enumerate(tasks):
+    keys = jax.random.split(jax.random.PRNGKey(seed * 100 + i), len(leaves))
+    delta = jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape)
+                                         for k, x in zip(keys, leaves)])
+    vectors.append(TaskVector(delta, (task,), regime, 'base'))
+  return vectors
+
+
+def task_data(labels=True, n=24):
+  rng = np.random.default_rng(0)
+  return {t: base.TaskData(APPLY, rng.normal(size=(n, 4)).astype(np.float32),
+                           rng.integers(0, 3, n).astype(np.int32) if labels else None)
+          for t in TASKS}
+
+
+INPUTS = {'key': jax.random.PRNGKey(7), 'theta0': THETA0, 'apply_fn': APPLY}
+# Fast settings per method; AdaMerging takes few steps here.
+SETTINGS = {'adamerging_task': dict(steps=3), 'adamerging_layer': dict(steps=3),
+            'fisher': dict(batch_size=8), 'regmean': dict(batch_size=8)}
+
+
+def run(name, vectors, data=None, **overrides):
+  method = merging.get(name)
+  inputs = dict(INPUTS, data=data if data is not None else task_data())
+  kwargs = {k: inputs[k] for k in method.reads}
+  return method.merge(vectors, **kwargs, **{**SETTINGS.get(name, {}), **overrides})
+
+
+def flat(tree):
+  return {k: np.asarray(v) for k, v in tree_lib.flatten(tree).items()}
+
+
+@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+def test_merged_vector_keeps_provenance_and_zero_lambda_is_the_base(name):
+  vectors = random_vectors()
+  merged = run(name, vectors)
+  assert merged.tasks == TASKS and merged.regime == 'full' and merged.base == 'base'
+  assert jax.tree.structure(merged.delta) == jax.tree.structure(THETA0)
+  for path, value in flat(merged.apply_to(THETA0, 0.0)).items():
+    np.testing.assert_array_equal(value.view(np.uint32), flat(THETA0)[path].view(np.uint32))
+
+
+@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+def test_zero_task_vectors_merge_to_zero(name):
+  zeros = [v.replace(delta=jax.tree.map(jnp.zeros_like, v.delta)) for v in random_vectors()]
+  for path, value in flat(run(name, zeros).delta).items():
+    # RegMean solves a linear system for W0 itself, so it lands on zero up to rounding.
+    np.testing.assert_allclose(value, 0.0, atol=1e-5 if name == 'regmean' else 0, err_msg=path)
+
+
+def single_vector_output(name, vector):
+  """What each method documents for one task vector in."""
+  tau = flat(vector.delta)
+  if name in ('averaging', 'task_arithmetic', 'fisher', 'regmean'):
+    return tau
+  if name == 'ties':  # the disjoint mean of one vector is its trimmed self
+    return flat(ops.where(ops.keep_largest(vector.delta, 0.2, 'global'), vector.delta))
+  if name == 'dare':
+    return flat(dare.drop([vector], 0.5, INPUTS['key'])[0].delta)
+  if name == 'breadcrumbs':
+    return flat(ops.where(ops.keep_band(vector.delta, 0.01, 0.89), vector.delta))
+  if name == 'consensus':  # no entry is used by k = 2 tasks
+    return {k: np.zeros_like(v) for k, v in tau.items()}
+  raise AssertionError(name)
+
+
+@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+def test_one_task_vector_in_gives_the_documented_output(name):
+  vector = random_vectors(tasks=('t0',))[0]
+  merged = flat(run(name, [vector]).delta)
+  if name.startswith('adamerging'):
+    # λ·τ with λ learned: a multiple of τ, per vector or per leaf.
+    for path, value in flat(vector.delta).items():
+      ratio = merged[path].ravel()[0] / value.ravel()[0]
+      np.testing.assert_allclose(merged[path], ratio * value, rtol=1e-5, err_msg=path)
+    return
+  expected = single_vector_output(name, vector)
+  for path in expected:
+    np.testing.assert_allclose(merged[path], expected[path], rtol=1e-4, atol=1e-6,
+                               err_msg=f'{name} {path}')
+
+
+@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+def test_mismatched_trees_are_refused_naming_the_path(name):
+  vectors = random_vectors()
+  bad = jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.zeros((5, 3)) if tree_lib.path_str(p) == 'out/kernel' else x,
+      vectors[1].delta)
+  with pytest.raises(ValueError, match='out/kernel'):
+    run(name, [vectors[0], vectors[1].replace(delta=bad)])
+  with pytest.raises(ValueError, match='cannot be merged'):
+    run(name, [vectors[0], vectors[1].replace(regime='linearized')])
+
+
+DATA_FREE = {'averaging': {}, 'task_arithmetic': {}, 'ties': dict(k=0.3, scope='tensor'),
+             'breadcrumbs': dict(top=0.1, bottom=0.5), 'consensus': dict(k=2)}
+
+
+@pytest.mark.parametrize('name', sorted(DATA_FREE))
+def test_data_free_merges_jit(name):
+  vectors = random_vectors()
+  merge = functools.partial(merging.get(name).merge, **DATA_FREE[name])
+  eager, jitted = flat(merge(vectors).delta), flat(jax.jit(merge)(vectors).delta)
+  for path in eager:
+    np.testing.assert_allclose(jitted[path], eager[path], rtol=1e-6, atol=1e-7, err_msg=path)
+
+
+def test_dare_and_the_closed_forms_jit():
+  vectors = random_vectors()
+  key = INPUTS['key']
+  jitted = jax.jit(lambda vs, k: dare.merge(vs, key=k, p=0.3))(vectors, key)
+  for path, value in flat(dare.merge(vectors, key=key, p=0.3).delta).items():
+    np.testing.assert_allclose(flat(jitted.delta)[path], value, rtol=1e-6, err_msg=path)
+  fishers = [jax.tree.map(jnp.abs, v.delta) for v in random_vectors(seed=1)]
+  jax.jit(fisher.combine)(vectors, fishers)
+  grams = [regmean.gram_matrices(APPLY, v.apply_to(THETA0), task_data()['t0'].images, 8)
+           for v in vectors]
+  jax.jit(functools.partial(regmean.combine, alpha=0.9))(vectors, THETA0, grams)
+
+
+def ties_reference(deltas, k, scope):
+  """TIES written plainly over flat numpy arrays, one entry at a time where it matters."""
+  paths = list(deltas[0])
+  trimmed = []
+  for d in deltas:
+    if scope == 'global':
+      values = np.concatenate([d[p].ravel() for p in paths])
+      count = max(1, int(k * values.size))
+      order = np.argsort(-np.abs(values), kind='stable')
+      keep = np.zeros(values.size, bool)
+      keep[order[:count]] = True
+      pieces = np.split(np.where(keep, values, 0), np.cumsum([d[p].size for p in paths])[:-1])
+      trimmed.append({p: x.reshape(d[p].shape) for p, x in zip(paths, pieces)})
+    else:
+      out = {}
+      for p in paths:
+        values = d[p].ravel()
+        count = max(1, int(k * values.size))
+        order = np.argsort(-np.abs(values), kind='stable')
+        keep = np.zeros(values.size, bool)
+        keep[order[:count]] = True
+        out[p] = np.where(keep, values, 0).reshape(d[p].shape)
+      trimmed.append(out)
+  merged = {}
+  for p in paths:
+    stacked = np.stack([t[p].ravel() for t in trimmed])
+    result = np.zeros(stacked.shape[1], np.float32)
+    for j in range(stacked.shape[1]):
+      sign = 1.0 if stacked[:, j].sum() >= 0 else -1.0
+      agreeing = [x for x in stacked[:, j] if x != 0 and np.sign(x) == sign]
+      result[j] = np.mean(agreeing) if agreeing else 0.0
+    merged[p] = result.reshape(deltas[0][p].shape)
+  return merged
+
+
+@pytest.mark.parametrize('scope', ops.SCOPES)
+@pytest.mark.parametrize('k', [0.1, 0.35])
+def test_ties_equals_a_plain_numpy_reference(scope, k):
+  vectors = random_vectors(seed=3)
+  expected = ties_reference([flat(v.delta) for v in vectors], k, scope)
+  merged = flat(ties.merge(vectors, k=k, scope=scope).delta)
+  for path in expected:
+    np.testing.assert_allclose(merged[path], expected[path], rtol=1e-6, atol=1e-7,
+                               err_msg=path)
+
+
+def test_ties_at_full_density_with_agreeing_signs_is_the_mean():
+  vectors = [v.replace(delta=jax.tree.map(lambda d: jnp.abs(d) + 0.01, v.delta))
+             for v in random_vectors()]
+  merged = flat(ties.merge(vectors, k=1.0, scope='global').delta)
+  mean = flat((1 / 3 * sum(vectors)).delta)
+  for path in mean:
+    np.testing.assert_allclose(merged[path], mean[path], rtol=1e-6, err_msg=path)
+
+
+def test_ties_scopes_differ_and_trim_exact_counts():
+  vector = random_vectors(tasks=('t0',))[0]
+  per_tensor = flat(ops.keep_largest(vector.delta, 0.25, 'tensor'))
+  whole = flat(ops.keep_largest(vector.delta, 0.25, 'global'))
+  for path, mask in per_tensor.items():
+    assert mask.sum() == max(1, int(0.25 * mask.size)), path
+  total = sum(m.size for m in whole.values())
+  assert sum(int(m.sum()) for m in whole.values()) == int(0.25 * total)
+  assert any((per_tensor[p] != whole[p]).any() for p in whole)
+
+
+def test_dare_with_p_zero_is_task_arithmetic():
+  vectors = random_vectors()
+  merged = flat(dare.merge(vectors, key=INPUTS['key'], p=0.0).delta)
+  summed = flat(merging.get('task_arithmetic').merge(vectors).delta)
+  for path in summed:
+    np.testing.assert_array_equal(merged[path], summed[path], err_msg=path)
+
+
+def test_dare_is_unbiased_over_keys():
+  # Each entry's estimate τ(1−m)/(1−p) has variance τ²·p/(1−p); over M keys the mean of the sum
+  # of T vectors has standard deviation σ = sqrt(Σ_t τ_t² · p/(1−p) / M). Allow 5σ per entry.
+  vectors, p, draws = random_vectors(), 0.5, 400
+  merge = jax.jit(lambda key: dare.merge(vectors, key=key, p=p).delta)
+  total = None
+  for i in range(draws):
+    total = flat(merge(jax.random.PRNGKey(i))) if total is None else {
+        k: v + flat(merge(jax.random.PRNGKey(i)))[k] for k, v in total.items()}
+  summed = flat(merging.get('task_arithmetic').merge(vectors).delta)
+  squares = flat(sum(v.replace(delta=jax.tree.map(jnp.square, v.delta)) for v in vectors).delta)
+  for path in summed:
+    sigma = np.sqrt(squares[path] * p / (1 - p) / draws)
+    assert (np.abs(total[path] / draws - summed[path]) <= 5 * sigma + 1e-7).all(), path
+
+
+def test_dare_masks_do_not_depend_on_vector_order():
+  vectors = random_vectors()
+  forward = dare.drop(vectors, 0.5, INPUTS['key'])
+  backward = dare.drop(vectors[::-1], 0.5, INPUTS['key'])[::-1]
+  for a, b in zip(forward, backward):
+    for path, value in flat(a.delta).items():
+      np.testing.assert_array_equal(value, flat(b.delta)[path], err_msg=path)
+
+
+def test_dare_gives_the_same_bits_on_1_and_8_devices(tmp_path, run_python):
+  script = tmp_path / 'dare_devices.py'
+  script.write_text(
+      'import sys, jax, numpy as np\n'
+      'from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n'
+      'from editing import tree as tree_lib\n'
+      'from editing.task_vector import TaskVector\n'
+      'from merging import dare\n'
+      'mesh = Mesh(np.array(jax.devices()), ("data",))\n'
+      'def vector(i, task):\n'
+      '  x = jax.random.normal(jax.random.PRNGKey(i), (64, 24))\n'
+      '  x = jax.device_put(x, NamedSharding(mesh, P("data")))\n'
+      '  return TaskVector({"w": x, "b": {"v": x[0]}}, (task,), "full", "b")\n'
+      'out = dare.merge([vector(0, "a"), vector(1, "b")], key=jax.random.PRNGKey(3), p=0.4)\n'
+      'flat = {k: np.asarray(v) for k, v in tree_lib.flatten(out.delta).items()}\n'
+      'np.savez(sys.argv[1], devices=jax.device_count(), **flat)\n')
+  results = {}
+  for devices in (1, 8):
+    out = tmp_path / f'{devices}.npz'
+    env = {'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+    run_python([str(script), str(out)], env=env)
+    with np.load(out) as f:
+      assert int(f['devices']) == devices
+      results[devices] = {k: f[k] for k in f.files if k != 'devices'}
+  for k in results[1]:
+    np.testing.assert_array_equal(results[8][k].view(np.uint32), results[1][k].view(np.uint32))
+
+
+def test_consensus_keeps_entries_that_enough_tall_masks_share():
+  deltas = [{'w': jnp.array([1.0, 0.1, 0.0, 2.0])}, {'w': jnp.array([1.0, 0.0, 0.3, -2.0])},
+            {'w': jnp.array([0.9, 0.0, 0.0, 0.1])}]
+  vectors = [TaskVector(d, (t,), 'full', 'b') for d, t in zip(deltas, TASKS)]
+  masks = consensus.tall_masks(vectors, [0.5] * 3)
+  # τ_MTL = [2.9, 0.1, 0.3, 0.1]; m_t = |τ_t| ≥ 0.5 |τ_MTL − τ_t|.
+  np.testing.assert_array_equal(np.stack([m['w'] for m in masks]),
+                                [[True, True, False, True], [True, False, True, True],
+                                 [False, False, False, True]])
+  merged = consensus.merge(vectors, k=2, tall_lambda=0.5).delta['w']
+  np.testing.assert_allclose(merged, [2.9, 0.0, 0.0, 0.1], rtol=1e-6)
+  localized = consensus.task_localized(vectors, [0.5] * 3)
+  np.testing.assert_allclose(localized[2].delta['w'], [0.0, 0.0, 0.0, 0.1], rtol=1e-6)
+
+
+def test_breadcrumbs_drops_both_magnitude_tails_of_every_leaf():
+  delta = {'w': jnp.arange(1.0, 21.0) * jnp.array([1, -1] * 10)}
+  mask = ops.keep_band(delta, top=0.1, bottom=0.25)['w']
+  np.testing.assert_array_equal(np.flatnonzero(mask), np.arange(5, 18))
+
+
+def test_fisher_takes_each_entry_from_the_tasks_that_depend_on_it():
+  # Task t0's inputs only use feature 0, task t1's only feature 1: the hidden layer's kernel
+  # row 0 carries Fisher information from t0 alone, row 1 from t1 alone.
+  n = 32
+  rng = np.random.default_rng(1)
+  data = {}
+  for i, t in enumerate(TASKS[:2]):
+    x = np.zeros((n, 4), np.float32)
+    x[:, i] = rng.normal(size=n)
+    data[t] = base.TaskData(APPLY, x, rng.integers(0, 3, n).astype(np.int32))
+  vectors = random_vectors(tasks=TASKS[:2])
+  merged = fisher.merge(vectors, theta0=THETA0, data=data, batch_size=8).delta
+  for row, vector in enumerate(vectors):
+    np.testing.assert_allclose(merged['hidden']['kernel'][row],
+                               vector.delta['hidden']['kernel'][row], rtol=1e-4)
+
+
+def test_regmean_on_one_linear_layer_is_the_least_squares_merge():
+  layer = nn.Dense(3, use_bias=False)
+  theta0 = layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))['params']
+  apply_fn = lambda params, x: layer.apply({'params': params}, x)
+  rng = np.random.default_rng(2)
+  inputs = {t: rng.normal(size=(40, 5)).astype(np.float32) * (1 + i)
+            for i, t in enumerate(TASKS)}
+  vectors = [TaskVector({'kernel': jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}, (t,),
+                        'full', 'b') for t in TASKS]
+  data = {t: base.TaskData(apply_fn, inputs[t]) for t in TASKS}
+  merged = regmean.merge(vectors, theta0=theta0, apply_fn=apply_fn, data=data, alpha=1.0)
+  stacked_x = np.concatenate([inputs[t] for t in TASKS]).astype(np.float64)
+  stacked_y = np.concatenate([inputs[t] @ (np.asarray(theta0['kernel']) + np.asarray(
+      v.delta['kernel'])) for t, v in zip(TASKS, vectors)]).astype(np.float64)
+  least_squares = np.linalg.lstsq(stacked_x, stacked_y, rcond=None)[0]
+  np.testing.assert_allclose(np.asarray(theta0['kernel']) + merged.delta['kernel'],
+                             least_squares, rtol=1e-3, atol=1e-4)
+
+
+def test_regmean_refuses_linearized_vectors():
+  with pytest.raises(ValueError, match='linearized'):
+    run('regmean', random_vectors(regime='linearized'))
+
+
+def toy_adamerging_problem():
+  """Task t0's logits are ±c·(1 − (w − 1)²): most confident, lowest entropy, at w = 1."""
+  theta0 = {'w': jnp.float32(0.0)}
+  vector = TaskVector({'w': jnp.float32(1.0)}, ('t0',), 'full', 'b')
+
+  def logits_fn(params, x):
+    s = 3.0 * (1 - (params['w'] - 1) ** 2) * x[:, :1]
+    return jnp.concatenate([s, -s], axis=-1)
+
+  x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
+  return theta0, vector, logits_fn, x
+
+
+def test_adamerging_moves_towards_the_lowest_entropy_and_lowers_it():
+  theta0, vector, logits_fn, x = toy_adamerging_problem()
+  learned = adamerging.learn([vector], theta0=theta0, data={'t0': base.TaskData(logits_fn, x)},
+                             key=jax.random.PRNGKey(0), steps=60, learning_rate=0.05)
+  assert abs(float(learned.coefficients[0]) - 1.0) < 0.15
+  assert learned.entropies[-1] < 0.75 * learned.entropies[0]
+
+
+def test_adamerging_reads_no_label():
+  theta0, vector, logits_fn, x = toy_adamerging_problem()
+  results = []
+  for labels in (None, np.full(len(x), -12345, np.int32)):
+    learned = adamerging.learn([vector], theta0=theta0,
+                               data={'t0': base.TaskData(logits_fn, x, labels)},
+                               key=jax.random.PRNGKey(0), steps=5, learning_rate=0.05,
+                               granularity='layer')
+    results.append(np.asarray(learned.coefficients['w']))
+  np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_unknown_method_is_named():
+  with pytest.raises(ValueError, match="unknown merging method 'tie'"):
+    merging.get('tie')
