@@ -21,18 +21,19 @@ from configs import quickstart
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = quickstart.get_config(arg)
 
-  # Which methods, λ's grid 0, lambda_step, ..., 1, and the examples per task that the
-  # data-driven methods read (Fisher and RegMean: labeled train; AdaMerging: unlabeled test).
+  # Which methods, λ's grid 0, lambda_step, ..., 1 (the step of task addition's α grid: on
+  # this suite the best λ is small), and the examples per task that the data-driven methods
+  # read (Fisher and RegMean: labeled train; AdaMerging: unlabeled test).
   config.merge = ml_collections.ConfigDict(dict(
       methods=','.join(merging.REGISTRY),
-      lambda_step=0.1,
+      lambda_step=0.05,
       seed=0,
       train_examples=256,
   ))
 
   # Each method's hyperparameters (merging/<method>.py).
-  config.ties = ml_collections.ConfigDict(dict(k='0.1,0.2,0.3', scope='global'))
-  config.dare = ml_collections.ConfigDict(dict(p='0.3,0.5,0.7', then='task_arithmetic'))
+  config.ties = ml_collections.ConfigDict(dict(k='0.1,0.2', scope='global'))
+  config.dare = ml_collections.ConfigDict(dict(p='0.3,0.6', then='task_arithmetic'))
   config.breadcrumbs = ml_collections.ConfigDict(dict(top='0.01', bottom='0.89'))
   config.consensus = ml_collections.ConfigDict(dict(k='2', tall_lambda='0.3,0.5'))
   config.fisher = ml_collections.ConfigDict(dict(batch_size=32))

@@ -32,10 +32,18 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
+    # mkstemp makes the file private (0600); give it the permissions `open` would have.
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)
     raise
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def atomic_write_json(path: str, obj: Any) -> None:

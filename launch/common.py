@@ -146,19 +146,44 @@ def check_job_config(directory: str, sections: dict[str, Any]) -> None:
 
   Finished or half-finished work is reused only when it was made with the same settings.
   """
+  differing = _differing_setting(directory, sections)
+  if differing:
+    key, then, now = differing
+    raise ValueError(f'{directory} was made with other settings ({key}: {then} then, {now} '
+                     'now); use another --workdir')
+
+
+def reusable_result(directory: str, sections: dict[str, Any], result_file: str) -> bool:
+  """Whether `result_file` in `directory` was made with these settings and may be reused.
+
+  For cheap, deterministic results (a merge and its evaluation): under other settings the old
+  result is deleted and the new settings recorded, so the work is redone rather than refused.
+  """
+  if _differing_setting(directory, sections):
+    if os.path.exists(result_file):
+      os.remove(result_file)
+    os.remove(os.path.join(directory, 'job_config.json'))
+    _differing_setting(directory, sections)
+  return os.path.exists(result_file)
+
+
+def _differing_setting(directory: str, sections: dict[str, Any]) -> tuple | None:
+  """(dotted key, recorded value, current value) of the first differing setting, or None.
+
+  Records `sections` in <directory>/job_config.json when nothing is recorded yet.
+  """
   path = os.path.join(directory, 'job_config.json')
   current = json.loads(json.dumps(sections, sort_keys=True, default=str))
   if not os.path.exists(path):
     checkpoint.atomic_write_json(path, current)
-    return
+    return None
   with open(path) as f:
     recorded = _dotted(json.load(f))
   now = _dotted(current)
   differing = sorted(k for k in recorded.keys() | now.keys() if recorded.get(k) != now.get(k))
-  if differing:
-    key = differing[0]
-    raise ValueError(f'{directory} was made with other settings ({key}: {recorded.get(key)} '
-                     f'then, {now.get(key)} now); use another --workdir')
+  if not differing:
+    return None
+  return differing[0], recorded.get(differing[0]), now.get(differing[0])
 
 
 def _dotted(tree: dict, prefix: str = '') -> dict[str, Any]:

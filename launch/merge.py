@@ -7,7 +7,7 @@ method's hyperparameter grid), choose the hyperparameters and λ on validation b
 accuracy, report test accuracy there, and save the merged params with orbax to
 <workdir>/merge/<regime>/<method>/params. Writes <workdir>/merge/<regime>/results.json and
 report.md (methods sorted by mean normalized test accuracy). A method whose result exists for the
-same settings is not rerun.
+same settings is not rerun; under other settings it is redone and overwritten.
 """
 
 import itertools
@@ -33,12 +33,18 @@ from merging import base
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   names = common.tasks(config)
   methods = _methods(config)
+  regimes = common.configured_regimes(config)
+  for regime in regimes:
+    refused = [m for m in methods if regime.name in merging.get(m).refused_regimes]
+    if refused:
+      raise ValueError(f'config.merge.methods: {refused} cannot merge {regime.name} task '
+                       'vectors; leave them out for that regime')
   common.use_compilation_cache(workdir)
   theta0, apply_fn = common.load_pretrained(workdir)
   data = {t: common.load_task(config, t) for t in names}
   heads = {t: common.head(config, workdir, data[t], theta0, apply_fn) for t in names}
   results = {}
-  for regime in common.configured_regimes(config):
+  for regime in regimes:
     results[regime.name] = merge_regime(config, workdir, regime.name, methods, theta0, apply_fn,
                                         data, heads)
   return results
@@ -110,11 +116,11 @@ def merge_regime(config, workdir, regime, methods, theta0, apply_fn, data, heads
     method = merging.get(name)
     directory = os.path.join(common.merge_dir(workdir, regime), name)
     result_file = os.path.join(directory, 'result.json')
-    common.check_job_config(directory, {
+    settings_used = {
         'method': (config.get(name).to_dict() if config.get(name) is not None else {}),
         'merge': config.merge.to_dict(), 'eval': config.eval.to_dict(),
-        'suite': common.suite_settings(config, 'train_size')})
-    if os.path.exists(result_file):
+        'suite': common.suite_settings(config, 'train_size')}
+    if common.reusable_result(directory, settings_used, result_file):
       with open(result_file) as f:
         results[name] = json.load(f)
       logging.info('%s/%s: result found in %s', regime, name, result_file)

@@ -138,8 +138,10 @@ def plot_disentanglement(results: dict, path: str) -> None:
   plt = _pyplot()
   grid = results['disentanglement']['alphas']
   pairs = results['disentanglement']['xi']
-  fig, axes = plt.subplots(1, len(pairs), figsize=(3.2 * len(pairs) + 0.8, 3.2), squeeze=False)
-  extent = (grid[0], grid[-1], grid[0], grid[-1])
+  fig, axes = plt.subplots(1, len(pairs), figsize=(3.1 * len(pairs) + 1.2, 3.3), squeeze=False,
+                           layout='constrained')
+  half = (grid[-1] - grid[0]) / max(len(grid) - 1, 1) / 2  # pixels centred on the grid points
+  extent = (grid[0] - half, grid[-1] + half, grid[0] - half, grid[-1] + half)
   for ax, (pair, xi) in zip(axes[0], pairs.items()):
     image = ax.imshow(xi, origin='lower', extent=extent, vmin=0.0, vmax=2.0, cmap='viridis')
     first, second = pair.split(':')

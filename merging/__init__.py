@@ -31,6 +31,7 @@ class Method(NamedTuple):
   # The split a data-driven method reads: labeled training examples, or the unlabeled test
   # inputs that AdaMerging adapts to (its paper's test-time protocol).
   split: str = 'train'
+  refused_regimes: tuple[str, ...] = ()  # regimes whose task vectors it cannot merge
 
 
 REGISTRY: dict[str, Method] = {
@@ -41,7 +42,8 @@ REGISTRY: dict[str, Method] = {
     'breadcrumbs': Method(breadcrumbs.merge),
     'consensus': Method(consensus.merge),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
-    'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False),
+    'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
+                      refused_regimes=('linearized',)),
     'adamerging_task': Method(functools.partial(adamerging.merge, granularity='task'),
                               reads=('theta0', 'data', 'key'), scaled=False, split='test'),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),

@@ -57,3 +57,11 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
 def test_missing_file_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match='nothing.safetensors'):
     checkpoint.load_tree(str(tmp_path / 'nothing.safetensors'))
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+  path = tmp_path / 'report.md'
+  checkpoint.atomic_write_bytes(str(path), b'x')
+  mask = os.umask(0)
+  os.umask(mask)
+  assert path.stat().st_mode & 0o777 == 0o666 & ~mask

@@ -140,9 +140,13 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
             if line.split(' | ')[0].strip('| ') in MERGE_METHODS]
   means = [summary['methods'][m]['mean_normalized_test'] for m in ranked]
   assert len(ranked) == len(MERGE_METHODS) and means == sorted(means, reverse=True)
-  # A rerun with the same settings reuses every result.
+  # A rerun with the same settings reuses every result; other settings redo that method only.
   again = merge.run(config, workdir)['talos']
   assert again['methods'] == json.loads(json.dumps(summary['methods']))
+  config.ties.k = '0.5'
+  changed = merge.run(config, workdir)['talos']['methods']
+  assert changed['ties']['hyperparameters']['k'] == 0.5
+  assert changed['fisher'] == again['methods']['fisher']
 
 
 def test_merge_hyperparameter_grids_are_comma_separated():
@@ -154,4 +158,8 @@ def test_merge_hyperparameter_grids_are_comma_separated():
   assert merge.hyperparameter_grid(config.fisher) == [{'batch_size': 32}]
   config.merge.methods = 'ties,tie'
   with pytest.raises(ValueError, match=r"config.merge.methods: unknown method\(s\) \['tie'\]"):
+    merge.run(config, '/nonexistent')
+  config.merge.methods = 'ties,regmean'
+  config.regimes = 'linearized'
+  with pytest.raises(ValueError, match=r"\['regmean'\] cannot merge linearized"):
     merge.run(config, '/nonexistent')
