@@ -23,3 +23,11 @@ def run_python(args, *, env=None, timeout=600, check=True) -> subprocess.Complet
 @pytest.fixture(name='run_python')
 def run_python_fixture():
   return run_python
+
+
+@pytest.fixture(scope='session', name='compilation_cache')
+def compilation_cache_fixture(tmp_path_factory) -> dict[str, str]:
+  """Environment for subprocesses to share one persistent XLA compilation cache, so that the
+  processes of one test (and tests of the same program) compile each jitted step once."""
+  return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax_cache')),
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}

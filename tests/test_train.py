@@ -43,13 +43,16 @@ def latest_checkpoint(workdir):
 
 
 @pytest.mark.parametrize('regime', ['full', 'attention_only', 'linearized', 'talos'])
-def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime):
+def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime,
+                                                    compilation_cache):
   steps = 24
+  # The reference run saves only at the end: checkpoints never change the params.
   run_python([DRIVER, f'--workdir={tmp_path / "straight"}', f'--out={tmp_path / "a.npz"}',
-              f'--steps={steps}', f'--regime={regime}'])
+              f'--steps={steps}', f'--regime={regime}', f'--checkpoint_every={steps}'],
+             env=compilation_cache)
 
   killed = tmp_path / 'killed'
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = dict(os.environ, PYTHONPATH=REPO, **compilation_cache)
   proc = subprocess.Popen([sys.executable, DRIVER, f'--workdir={killed}',
                            f'--out={tmp_path / "unused.npz"}', f'--steps={steps}',
                            f'--regime={regime}'], cwd=REPO, env=env,
@@ -63,7 +66,7 @@ def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime
   assert 0 < interrupted_at < steps, f'the run was not killed mid-way ({interrupted_at})'
 
   run_python([DRIVER, f'--workdir={killed}', f'--out={tmp_path / "b.npz"}', f'--steps={steps}',
-              f'--regime={regime}'])
+              f'--regime={regime}'], env=compilation_cache)
   assert_bitwise_equal(load(tmp_path / 'a.npz'), load(tmp_path / 'b.npz'))
   logged = [int(line.split('"step": ')[1].split(',')[0])
             for line in open(killed / 'metrics.jsonl')]
