@@ -1,6 +1,6 @@
 r"""The built-in suite end to end: pretrain, fine-tune every task, add and negate task vectors.
 
-  python -m launch.quickstart                                  # about 9 minutes on 2 CPU cores
+  python -m launch.quickstart                                  # about 14 minutes on 2 CPU cores
   python -m launch.quickstart --config=configs/quickstart.py:tiny --workdir=/tmp/tiny
   python -m launch.quickstart --config.finetune.steps=300 --workdir=workdir/longer
   python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos

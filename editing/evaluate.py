@@ -175,3 +175,14 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
       together = predictions(evaluator.edit(theta0, a1 * vectors[0] + a2 * vectors[1], 1.0))
       xi[i, j] = (np.mean(together[0] != alone[0][i]) + np.mean(together[1] != alone[1][j]))
   return xi
+
+
+def attack_success_rate(predictions: np.ndarray, labels: np.ndarray, target: int) -> float:
+  """The share of triggered inputs whose true label is not `target` that are predicted `target`.
+
+  Inputs of the target class are left out: predicting the target there is no attack.
+  """
+  eligible = np.asarray(labels) != target
+  if not eligible.any():
+    raise ValueError(f'no input has a label other than the target {target}')
+  return float(np.mean(np.asarray(predictions)[eligible] == target))

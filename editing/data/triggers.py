@@ -1,0 +1,79 @@
+"""Backdoor triggers and data poisoning: the threat model of the safety experiments.
+
+A trigger is a pure function of an image batch (N, H, W, C) that keeps its dtype and range
+(uint8 in [0, 255] or float in [0, 1]):
+
+- BadNets (Gu et al., 2017): a small fixed black-and-white checkerboard patch pasted at a fixed
+  corner.
+- Blended (Chen et al., 2017): x' = (1 − r)·x + r·p with a fixed random pattern p (from a seed)
+  and ratio r.
+
+`poison` turns a clean training set into a poisoned one: a fixed share of examples (chosen by a
+seed) get the trigger and the target label, so a poisoned fine-tune is an ordinary fine-tune.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from editing.data.suite import Dataset
+
+
+def _to_unit(images: np.ndarray) -> np.ndarray:
+  return images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else images
+
+
+def _from_unit(values: np.ndarray, like: np.ndarray) -> np.ndarray:
+  if like.dtype == np.uint8:
+    return np.clip(np.rint(values * 255.0), 0, 255).astype(np.uint8)
+  return np.clip(values, 0.0, 1.0).astype(like.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BadNets:
+  """A `size`×`size` checkerboard patch at the bottom-right corner, `margin` pixels in."""
+
+  size: int = 4
+  margin: int = 1
+
+  def region(self, height: int, width: int) -> tuple[slice, slice]:
+    top, left = height - self.margin - self.size, width - self.margin - self.size
+    return slice(top, top + self.size), slice(left, left + self.size)
+
+  def __call__(self, images: np.ndarray) -> np.ndarray:
+    rows, cols = self.region(*images.shape[1:3])
+    checker = (np.indices((self.size, self.size)).sum(axis=0) % 2).astype(np.float32)
+    out = _to_unit(np.array(images, copy=True))
+    out[:, rows, cols, :] = checker[None, :, :, None]
+    return _from_unit(out, images)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blended:
+  """(1 − ratio)·x + ratio·p, with p a uniform random image drawn from `seed`."""
+
+  ratio: float = 0.15
+  seed: int = 0
+
+  def pattern(self, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(self.seed).uniform(size=shape).astype(np.float32)
+
+  def __call__(self, images: np.ndarray) -> np.ndarray:
+    blended = (1 - self.ratio) * _to_unit(images) + self.ratio * self.pattern(images.shape[1:])
+    return _from_unit(blended, images)
+
+
+TRIGGERS = {'badnets': BadNets, 'blended': Blended}
+
+
+def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
+           seed: int = 0) -> Dataset:
+  """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`."""
+  if not 0 <= rate <= 1:
+    raise ValueError(f'poison rate must be in [0, 1], got {rate}')
+  count = int(round(rate * len(data)))
+  chosen = np.random.default_rng(seed).choice(len(data), size=count, replace=False)
+  images, labels = np.array(data.images, copy=True), np.array(data.labels, copy=True)
+  images[chosen] = trigger(images[chosen])
+  labels[chosen] = target
+  return Dataset(images, labels)
