@@ -63,8 +63,6 @@ class Blended:
     return _from_unit(blended, images)
 
 
-TRIGGERS = {'badnets': BadNets, 'blended': Blended}
-
 
 def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
            seed: int = 0) -> Dataset:
