@@ -63,7 +63,6 @@ class Blended:
     return _from_unit(blended, images)
 
 
-
 def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
            seed: int = 0) -> Dataset:
   """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`."""
