@@ -89,24 +89,26 @@ def merge_dir(workdir: str, regime: str) -> str:
   return os.path.join(workdir, 'merge', regime)
 
 
+def names_from(value: str, *, key: str, kind: str, known) -> list[str]:
+  """The comma-separated names of the config value at `key`, each one of `known`."""
+  names = [n.strip() for n in value.split(',') if n.strip()]
+  unknown = [n for n in names if n not in known]
+  if unknown or not names:
+    raise ValueError(f'{key}: unknown {kind}(s) {unknown or names}; choose from '
+                     f'{",".join(known)}')
+  return names
+
+
 def tasks(config: ml_collections.ConfigDict) -> list[str]:
   """The downstream tasks named by `config.suite.tasks`, validated."""
-  names = [t.strip() for t in config.suite.tasks.split(',') if t.strip()]
-  unknown = [t for t in names if t not in suite.DOWNSTREAM_TASKS]
-  if unknown or not names:
-    raise ValueError(f'config.suite.tasks: unknown task(s) {unknown or names}; choose from '
-                     f'{",".join(suite.DOWNSTREAM_TASKS)}')
-  return names
+  return names_from(config.suite.tasks, key='config.suite.tasks', kind='task',
+                    known=suite.DOWNSTREAM_TASKS)
 
 
 def configured_regimes(config: ml_collections.ConfigDict) -> list[regimes.Regime]:
   """The regimes named by `config.regimes`, each with its settings section (e.g. config.talos)."""
-  names = [r.strip() for r in config.regimes.split(',') if r.strip()]
-  unknown = [r for r in names if r not in regimes.REGISTRY]
-  if unknown or not names:
-    raise ValueError(f'config.regimes: unknown regime(s) {unknown or names}; choose from '
-                     f'{",".join(regimes.REGISTRY)}')
-  return [regime(config, r) for r in names]
+  return [regime(config, r) for r in names_from(config.regimes, key='config.regimes',
+                                                kind='regime', known=regimes.REGISTRY)]
 
 
 def regime(config: ml_collections.ConfigDict, name: str) -> regimes.Regime:

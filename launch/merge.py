@@ -51,12 +51,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _methods(config) -> list[str]:
-  names = [m.strip() for m in config.merge.methods.split(',') if m.strip()]
-  unknown = [m for m in names if m not in merging.REGISTRY]
-  if unknown or not names:
-    raise ValueError(f'config.merge.methods: unknown method(s) {unknown or names}; choose from '
-                     f'{",".join(merging.REGISTRY)}')
-  return names
+  return common.names_from(config.merge.methods, key='config.merge.methods', kind='method',
+                           known=merging.REGISTRY)
 
 
 def hyperparameter_grid(section: ml_collections.ConfigDict | None) -> list[dict]:
