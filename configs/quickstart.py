@@ -74,6 +74,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of per-example gradients scored at once.
   config.talos = ml_collections.ConfigDict(dict(keep=0.1, rounds=4, batch_size=32))
 
+  # Backdoor poisoning (editing/data/triggers.py): each task listed (comma-separated; empty:
+  # none) is fine-tuned on its training set with a share `rate` of the examples carrying the
+  # trigger and relabeled `target`, chosen by `seed`. A trigger's settings are its section.
+  config.poison = ml_collections.ConfigDict(dict(tasks='', trigger='badnets', rate=0.1,
+                                                 target=0, seed=0))
+  config.badnets = ml_collections.ConfigDict(dict(size=4, margin=1))
+  config.blended = ml_collections.ConfigDict(dict(ratio=0.15, seed=0))
+
   # The α grid is 0, alpha_step, ..., 1. Negation checks the control task at every α of every
   # task, so its validation set is capped (the pretraining corpus's own is much larger).
   # Weight disentanglement ξ runs on task pairs 'a:b,c:d' (empty: consecutive pairs of

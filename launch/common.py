@@ -27,6 +27,7 @@ from editing import evaluate
 from editing import regimes
 from editing import sharding
 from editing.data import suite
+from editing.data import triggers
 from editing.models import head as head_lib
 from editing.models import vit
 
@@ -73,12 +74,17 @@ def finetune_dir(workdir: str, regime: str, task: str) -> str:
   return os.path.join(workdir, 'finetune', regime, task)
 
 
+# The files a fine-tuning directory ends with.
+TASK_VECTOR = 'task_vector.safetensors'
+UPDATE_MASK = 'update_mask.safetensors'
+
+
 def task_vector_file(workdir: str, regime: str, task: str) -> str:
-  return os.path.join(finetune_dir(workdir, regime, task), 'task_vector.safetensors')
+  return os.path.join(finetune_dir(workdir, regime, task), TASK_VECTOR)
 
 
 def update_mask_file(workdir: str, regime: str, task: str) -> str:
-  return os.path.join(finetune_dir(workdir, regime, task), 'update_mask.safetensors')
+  return os.path.join(finetune_dir(workdir, regime, task), UPDATE_MASK)
 
 
 def evaluation_dir(workdir: str, regime: str) -> str:
@@ -115,6 +121,20 @@ def regime(config: ml_collections.ConfigDict, name: str) -> regimes.Regime:
   """The regime `name` with the settings of its config section, if it has one."""
   section = config.get(name)
   return regimes.get(name, section.to_dict() if section is not None else None)
+
+
+def poisoned_tasks(config: ml_collections.ConfigDict) -> list[str]:
+  """The tasks `config.poison.tasks` names (none when it is empty)."""
+  if not config.poison.tasks.strip():
+    return []
+  return names_from(config.poison.tasks, key='config.poison.tasks', kind='task',
+                    known=suite.DOWNSTREAM_TASKS)
+
+
+def trigger(config: ml_collections.ConfigDict, name: str) -> triggers.Trigger:
+  """The trigger `name` with the settings of its config section (e.g. config.badnets)."""
+  section = config.get(name)
+  return triggers.get(name, section.to_dict() if section is not None else None)
 
 
 def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:

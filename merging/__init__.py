@@ -3,7 +3,7 @@
 Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m. `REGISTRY` maps a
 method's config name to a `Method`: its `merge` function, what besides the task vectors it reads,
 and whether λ is free (chosen on validation, like task arithmetic's) or the merge is applied at
-λ = 1 as it is (averages, and AdaMerging, whose coefficients are learned).
+λ = 1 as it is (averages, and AdaMerging and DAM, whose coefficients are learned).
 
 Shared primitives (trim, elect sign, disjoint mean, drop and rescale) live in `merging.ops`.
 """
@@ -15,6 +15,7 @@ from merging import adamerging
 from merging import averaging
 from merging import breadcrumbs
 from merging import consensus
+from merging import dam
 from merging import dare
 from merging import fisher
 from merging import regmean
@@ -32,6 +33,7 @@ class Method(NamedTuple):
   # inputs that AdaMerging adapts to (its paper's test-time protocol).
   split: str = 'train'
   refused_regimes: tuple[str, ...] = ()  # regimes whose task vectors it cannot merge
+  section: str | None = None  # the config section of its settings, if not its own name
 
 
 REGISTRY: dict[str, Method] = {
@@ -48,6 +50,14 @@ REGISTRY: dict[str, Method] = {
                               reads=('theta0', 'data', 'key'), scaled=False, split='test'),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),
                                reads=('theta0', 'data', 'key'), scaled=False, split='test'),
+    'dam': Method(dam.merge, reads=('theta0', 'data', 'key'), scaled=False, split='test'),
+    # DAM's ablations: one mask each, the other all ones.
+    'dam_shared': Method(functools.partial(dam.merge, masks=('shared',)),
+                         reads=('theta0', 'data', 'key'), scaled=False, split='test',
+                         section='dam'),
+    'dam_safe': Method(functools.partial(dam.merge, masks=('safe',)),
+                       reads=('theta0', 'data', 'key'), scaled=False, split='test',
+                       section='dam'),
 }
 
 

@@ -52,37 +52,47 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
           batch_size: int = 16) -> Learned:
   """Fits the coefficients; `data[t].images` of every task t of the vectors are the inputs."""
   base.check(task_vectors, 'adamerging')
-  if granularity not in GRANULARITIES:
-    raise ValueError(f'adamerging granularity must be one of {GRANULARITIES}, got '
-                     f'{granularity!r}')
   tasks = {t: base.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
-  count = len(task_vectors)
-  coefficients = jnp.full((count,), init, jnp.float32)
-  if granularity == 'layer':
-    coefficients = {p: coefficients for p in tree_lib.flatten(theta0)}
+  coefficients = initial_coefficients(len(task_vectors), theta0, granularity, init)
   tx = optax.adam(learning_rate)
 
-  def objective(coefficients, batches):
+  def objective(coefficients, batches, theta0, task_vectors):
     params = jax.tree.map(jnp.add, theta0, merged_delta(task_vectors, coefficients))
     return sum(entropy(tasks[t].logits_fn(params, batches[t])) for t in tasks)
 
+  # θ0 and the vectors are arguments, not closed-over constants: compiling megabytes of
+  # constants is slow, and as arguments every merge of same-shaped vectors shares one program.
   @jax.jit
-  def step(coefficients, opt_state, batches):
-    value, grads = jax.value_and_grad(objective)(coefficients, batches)
+  def step(coefficients, opt_state, batches, theta0, task_vectors):
+    value, grads = jax.value_and_grad(objective)(coefficients, batches, theta0, task_vectors)
     updates, opt_state = tx.update(grads, opt_state, coefficients)
     return optax.apply_updates(coefficients, updates), opt_state, value
 
   opt_state = tx.init(coefficients)
   entropies = []
   for i in range(steps):
-    batches = {t: _batch(d.images, batch_size, jax.random.fold_in(
+    batches = {t: batch(d.images, batch_size, jax.random.fold_in(
         jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in tasks.items()}
-    coefficients, opt_state, value = step(coefficients, opt_state, batches)
+    coefficients, opt_state, value = step(coefficients, opt_state, batches, theta0,
+                                          list(task_vectors))
     entropies.append(float(value))
   return Learned(coefficients, entropies)
 
 
-def _batch(images: np.ndarray, size: int, key: jax.Array) -> np.ndarray:
+def initial_coefficients(count: int, theta0: base.PyTree, granularity: str,
+                         init: float) -> base.PyTree:
+  """λ = init for each of `count` vectors: a (count,) array, or one per leaf of θ0."""
+  if granularity not in GRANULARITIES:
+    raise ValueError(f'merge coefficient granularity must be one of {GRANULARITIES}, got '
+                     f'{granularity!r}')
+  coefficients = jnp.full((count,), init, jnp.float32)
+  if granularity == 'layer':
+    return {p: coefficients for p in tree_lib.flatten(theta0)}
+  return coefficients
+
+
+def batch(images: np.ndarray, size: int, key: jax.Array) -> np.ndarray:
+  """`size` images (all, if fewer) drawn without replacement by `key`, in index order."""
   size = min(size, len(images))
   return images[np.sort(np.asarray(jax.random.permutation(key, len(images))[:size]))]
 

@@ -13,6 +13,7 @@ seed) get the trigger and the target label, so a poisoned fine-tune is an ordina
 """
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -61,6 +62,22 @@ class Blended:
   def __call__(self, images: np.ndarray) -> np.ndarray:
     blended = (1 - self.ratio) * _to_unit(images) + self.ratio * self.pattern(images.shape[1:])
     return _from_unit(blended, images)
+
+
+Trigger = Callable[[np.ndarray], np.ndarray]
+REGISTRY = {'badnets': BadNets, 'blended': Blended}
+
+
+def get(name: str, settings: dict | None = None) -> Trigger:
+  """The trigger `name` of REGISTRY with `settings` (its dataclass fields) applied."""
+  if name not in REGISTRY:
+    raise ValueError(f'unknown trigger {name!r}; known: {sorted(REGISTRY)}')
+  kind = REGISTRY[name]
+  fields = {f.name for f in dataclasses.fields(kind)}
+  unknown = sorted(set(settings or {}) - fields)
+  if unknown:
+    raise ValueError(f'unknown {name} setting(s) {unknown}; known: {sorted(fields)}')
+  return kind(**(settings or {}))
 
 
 def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,

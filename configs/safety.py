@@ -1,0 +1,64 @@
+r"""Backdoors through merging: 1 and 2 poisoned tasks, BadNets and Blended, every defense, 3 seeds.
+
+  python -m launch.safety --config=configs/safety.py --workdir=workdir/safety
+  python -m launch.safety --config=configs/safety.py --config.safety.seeds=0 \
+      --config.safety.methods=task_arithmetic,dam
+  python -m launch.safety --config=configs/safety.py:tiny --workdir=/tmp/safety_tiny
+
+Derived from configs/merge.py: the same backbone, fine-tuning and method sections (so a merge
+here is chosen as in launch.merge). Three of the suite's tasks and short learned merges
+(50 steps) keep the whole run near an hour on 2 CPU cores; `--config.suite.tasks` takes any
+of the tasks, and the step counts can be raised.
+"""
+
+import ml_collections
+
+from configs import merge
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = merge.get_config(arg)
+  if arg != 'tiny':
+    config.suite.tasks = 'digits,letters,count'
+
+  # Scenarios: with each trigger, the first n victims (n in poisoned_counts) are poisoned
+  # (config.poison: rate, target) and the other tasks are clean. Seeds drive fine-tuning, the
+  # poisoned examples and the merges; `dam_oracle` is DAM given the true trigger.
+  config.safety = ml_collections.ConfigDict(dict(
+      seeds='0,1,2',
+      victims='digits,letters',
+      poisoned_counts='1,2',
+      triggers='badnets,blended',
+      methods='task_arithmetic,ties,dare,adamerging_task,adamerging_layer,dam,dam_shared,'
+              'dam_safe,dam_oracle',
+  ))
+
+  # One setting per method (no grid) to fit the CPU budget: TIES keeps the top 20% (its
+  # paper's default), DARE drops half; λ is still chosen on validation.
+  config.ties.k = '0.2'
+  config.dare.p = '0.5'
+  config.adamerging_task.steps = 50
+  config.adamerging_layer.steps = 50
+
+  # DAM (merging/dam.py), and its ablations and oracle. Perturbations live on [0, 1] pixels.
+  config.dam = ml_collections.ConfigDict(dict(
+      granularity='task',
+      steps=50,
+      refit_steps=50,
+      learning_rate=1e-3,
+      init=0.3,
+      batch_size=16,
+      mask_learning_rate=0.02,
+      mask_init=0.0,
+      temperature=0.5,
+      bound=0.2,
+      perturbation_step=0.02,
+      safety_weight=1.0,
+  ))
+
+  if arg == 'tiny':
+    config.suite.tasks = 'digits,colour,size'
+    config.safety.update(seeds='0,1', victims='digits,colour', triggers='badnets,blended')
+    config.adamerging_task.steps = config.adamerging_layer.steps = 2
+    config.dam.update(steps=2, refit_steps=2)
+  return config
