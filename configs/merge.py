@@ -41,6 +41,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   adamerging = dict(steps=200, learning_rate=1e-3, init=0.3, batch_size=16)
   config.adamerging_task = ml_collections.ConfigDict(adamerging)
   config.adamerging_layer = ml_collections.ConfigDict(adamerging)
+  # DAM's masks (merging/dam.py) are learned for `steps`, then λ is refitted for `refit_steps`
+  # as in AdaMerging; perturbations live on [0, 1] pixels, ‖δ‖_∞ ≤ bound.
+  config.dam = ml_collections.ConfigDict(dict(
+      granularity='task', steps=100, refit_steps=100, learning_rate=1e-3, init=0.3,
+      batch_size=16, mask_learning_rate=0.02, mask_init=0.0, temperature=0.5, bound=0.2,
+      perturbation_step=0.02, safety_weight=1.0))
 
   if arg == 'tiny':
     config.merge.update(lambda_step=0.5, train_examples=32)
@@ -49,4 +55,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.consensus.tall_lambda = '0.5'
     config.adamerging_task.steps = 3
     config.adamerging_layer.steps = 3
+    config.dam.update(steps=2, refit_steps=2)
   return config

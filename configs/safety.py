@@ -33,32 +33,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
               'dam_safe,dam_oracle',
   ))
 
-  # One setting per method (no grid) to fit the CPU budget: TIES keeps the top 20% (its
-  # paper's default), DARE drops half; λ is still chosen on validation.
+  # One setting per method (no grid) and short learned merges, for the CPU budget: TIES keeps
+  # the top 20% (its paper's default), DARE drops half; λ is still chosen on validation.
   config.ties.k = '0.2'
   config.dare.p = '0.5'
   config.adamerging_task.steps = 50
   config.adamerging_layer.steps = 50
 
-  # DAM (merging/dam.py), and its ablations and oracle. Perturbations live on [0, 1] pixels.
-  config.dam = ml_collections.ConfigDict(dict(
-      granularity='task',
-      steps=50,
-      refit_steps=50,
-      learning_rate=1e-3,
-      init=0.3,
-      batch_size=16,
-      mask_learning_rate=0.02,
-      mask_init=0.0,
-      temperature=0.5,
-      bound=0.2,
-      perturbation_step=0.02,
-      safety_weight=1.0,
-  ))
+  config.dam.update(steps=50, refit_steps=50)
 
   if arg == 'tiny':
     config.suite.tasks = 'digits,colour,size'
     config.safety.update(seeds='0,1', victims='digits,colour', triggers='badnets,blended')
     config.adamerging_task.steps = config.adamerging_layer.steps = 2
-    config.dam.update(steps=2, refit_steps=2)
   return config

@@ -9,7 +9,7 @@ merges the first n victims' poisoned vectors with the other tasks' clean ones. E
 chosen as in launch.merge (hyperparameters and λ on clean validation accuracy: the defender
 knows no trigger) and then scored on the clean test sets and on the triggered ones:
 succession = mean ASR over the poisoned tasks, transfer = mean ASR over the clean tasks.
-`dam_oracle` is DAM handed the true trigger in place of its synthesised one.
+Besides every method of `merging`, DAM's ablations (ABLATIONS) are methods here.
 
 Writes <workdir>/safety/results.json, report.md (mean ± std over seeds) and scatter.png;
 each merge's result.json is reused on a rerun with the same settings.
@@ -37,11 +37,15 @@ from launch import pretrain
 from launch import report
 from merging import dam
 
-METHODS = {
-    **merging.REGISTRY,
-    'dam_oracle': merging.Method(dam.merge, reads=('theta0', 'data', 'key', 'trigger'),
-                                 scaled=False, split='test', section='dam'),
+# DAM's ablations, read from config.dam: each mask alone (the other all ones), and both masks
+# learned against the true trigger instead of a synthesised one.
+_DAM = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test', section='dam')
+ABLATIONS = {
+    'dam_shared': merging.Method(functools.partial(dam.merge, masks=('shared',)), **_DAM),
+    'dam_safe': merging.Method(functools.partial(dam.merge, masks=('safe',)), **_DAM),
+    'dam_oracle': merging.Method(dam.merge, **{**_DAM, 'reads': _DAM['reads'] + ('trigger',)}),
 }
+METHODS = {**merging.REGISTRY, **ABLATIONS}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -77,37 +81,39 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   pretrained = {'test': {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
                          for t in names},
                 'asr': {g: attack_success(theta0, g) for g in trigger_names}}
-  runs, fine_tunes = [], {}
+  # All fine-tunes first, then the scenarios, each over every seed: an interrupted run has
+  # whole scenarios done, and a rerun picks up where it stopped.
+  vectors, fine_tunes = {}, {}
   for seed in seeds:
     seeded = _seeded(config, seed)
     seed_dir = os.path.join(_safety_dir(workdir), f'seed_{seed}')
-    vectors = {(None, t): finetune.run(_poisoning(seeded, None, t), workdir, t, regime,
-                                       directory=os.path.join(seed_dir, 'clean', t))
-               for t in names}
-    for g in trigger_names:
-      for t in victims[:max(counts)]:
-        vectors[g, t] = finetune.run(_poisoning(seeded, g, t), workdir, t, regime,
-                                     directory=os.path.join(seed_dir, g, t))
-    attacks = {}  # each fine-tuned model alone: the attack's strength and its cost
-    for (g, t), vector in vectors.items():
-      params = vector.apply_to(theta0)
-      attacks[f'{g or "clean"}/{t}'] = {
-          'test': evaluator.accuracy(theta0, params, heads[t], data[t].test),
-          'asr': {h: attack_success(params, h)[t] for h in trigger_names}}
-    for g in trigger_names:
-      for count in counts:
-        poisoned = victims[:count]
-        scenario = [vectors[g if t in poisoned else None, t] for t in names]
+    for g, t in [(None, t) for t in names] + [(g, t) for g in trigger_names
+                                              for t in victims[:max(counts)]]:
+      vectors[seed, g, t] = finetune.run(_poisoning(seeded, g, t), workdir, t, regime,
+                                         directory=os.path.join(seed_dir, g or 'clean', t))
+    fine_tunes[seed] = {}  # each fine-tuned model alone: the attack's strength and its cost
+    for (s, g, t), vector in vectors.items():
+      if s == seed:
+        params = vector.apply_to(theta0)
+        fine_tunes[seed][f'{g or "clean"}/{t}'] = {
+            'test': evaluator.accuracy(theta0, params, heads[t], data[t].test),
+            'asr': {h: attack_success(params, h)[t] for h in trigger_names}}
+  runs = []
+  for g in trigger_names:
+    for count in counts:
+      poisoned = victims[:count]
+      for seed in seeds:
+        seeded = _seeded(config, seed)
+        scenario = [vectors[seed, g if t in poisoned else None, t] for t in names]
         finetuned = merge.finetuned_accuracy(evaluator, theta0, scenario, heads, data)
         inputs = merge.MergeInputs(seeded, regime.encoder(apply_fn), theta0, apply_fn, heads,
                                    data, extra={'trigger': common.trigger(config, g)})
         for name in methods:
-          directory = os.path.join(seed_dir, f'{g}_{count}', name)
+          directory = os.path.join(_safety_dir(workdir), f'seed_{seed}', f'{g}_{count}', name)
           result = _merge_and_attack(seeded, name, scenario, inputs, evaluator, finetuned,
                                      directory, functools.partial(attack_success,
                                                                   trigger_name=g), poisoned)
           runs.append({'seed': seed, 'trigger': g, 'poisoned': poisoned, **result})
-    fine_tunes[seed] = attacks
   summary = {'regime': regime.name, 'tasks': names, 'victims': victims, 'counts': counts,
              'triggers': trigger_names, 'target': target, 'seeds': seeds, 'methods': methods,
              'pretrained': pretrained, 'fine_tunes': fine_tunes, 'merges': runs}

@@ -51,13 +51,6 @@ REGISTRY: dict[str, Method] = {
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),
                                reads=('theta0', 'data', 'key'), scaled=False, split='test'),
     'dam': Method(dam.merge, reads=('theta0', 'data', 'key'), scaled=False, split='test'),
-    # DAM's ablations: one mask each, the other all ones.
-    'dam_shared': Method(functools.partial(dam.merge, masks=('shared',)),
-                         reads=('theta0', 'data', 'key'), scaled=False, split='test',
-                         section='dam'),
-    'dam_safe': Method(functools.partial(dam.merge, masks=('safe',)),
-                       reads=('theta0', 'data', 'key'), scaled=False, split='test',
-                       section='dam'),
 }
 
 

@@ -11,36 +11,47 @@ from merging import adamerging
 from merging import base
 from merging import dam
 
-CLASSES = 3
-CLEAN_PIXELS, TRIGGER_PIXELS = 4, 2
+CLASSES = 6
+# Clean pixel c is bright in images of class c; the trigger pixels and the inert pixels are 0 in
+# every clean image.
+CLEAN, TRIGGER, INERT = slice(0, CLASSES), slice(CLASSES, CLASSES + 2), slice(CLASSES + 2, None)
+PIXELS = CLASSES + 4
 
 
 def logits_fn(params, images):
-  """A linear classifier; its last TRIGGER_PIXELS rows read pixels clean inputs leave at 0."""
-  return images @ params['kernel'] + params['bias']
+  return (images[:, CLEAN] @ params['kernel'] + images[:, CLASSES:] @ params['backdoor'] +
+          params['bias'])
 
 
-def toy(seed=0, n=64):
-  """θ0, two task vectors (the first with a planted trigger response to class 0 in the trigger
-  rows of the kernel, which share the tensor with the clean rows), and data."""
+def toy(seed=0, n=60):
+  """θ0, two task vectors and their unlabeled data.
+
+  Both vectors sharpen the clean diagonal. The first also carries a `backdoor` tensor: its
+  planted rows send the trigger pixels to class 0; its inert rows add the same amount to
+  every class, which changes no prediction. Entropy on clean inputs reads neither (their
+  pixels are 0), so only the safe loss can tell the planted rows from the inert ones.
+  """
   rng = np.random.default_rng(seed)
-  pixels = CLEAN_PIXELS + TRIGGER_PIXELS
-  theta0 = {'kernel': jnp.asarray(rng.normal(size=(pixels, CLASSES)), jnp.float32).at[
-      CLEAN_PIXELS:].set(0.0), 'bias': jnp.zeros((CLASSES,), jnp.float32)}
-  vectors = []
+  theta0 = {'kernel': jnp.eye(CLASSES), 'backdoor': jnp.zeros((4, CLASSES)),
+            'bias': jnp.zeros((CLASSES,))}
+  vectors, data = [], {}
   for task in ('poisoned', 'clean'):
-    kernel = rng.normal(size=(pixels, CLASSES)).astype(np.float32)
-    kernel[CLEAN_PIXELS:] = 0.0
+    backdoor = np.zeros((4, CLASSES), np.float32)
     if task == 'poisoned':
-      kernel[CLEAN_PIXELS:] = -30.0
-      kernel[CLEAN_PIXELS:, 0] = 30.0
-    delta = {'kernel': jnp.asarray(kernel),
-             'bias': jnp.asarray(rng.normal(size=(CLASSES,)), jnp.float32)}
+      backdoor[:2] = -10.0
+      backdoor[:2, 0] = 10.0
+      backdoor[2:] = 10.0
+    delta = {'kernel': jnp.asarray(2 * np.eye(CLASSES) + rng.normal(scale=0.1,
+                                                                    size=(CLASSES, CLASSES)),
+                                   jnp.float32),
+             'backdoor': jnp.asarray(backdoor), 'bias': jnp.zeros((CLASSES,))}
     vectors.append(TaskVector(delta, (task,), 'full', 'base'))
-  data = {}
-  for task in ('poisoned', 'clean'):
-    images = np.zeros((n, CLEAN_PIXELS + TRIGGER_PIXELS), np.float32)
-    images[:, :CLEAN_PIXELS] = rng.uniform(size=(n, CLEAN_PIXELS))
+    # No input is of the target class: an untargeted perturbation then has every input's
+    # gradient pointing at the trigger from the start (target-class inputs pull the other way).
+    labels = 1 + np.arange(n) % (CLASSES - 1)
+    images = np.zeros((n, PIXELS), np.float32)
+    images[:, CLEAN] = rng.uniform(0.0, 0.3, size=(n, CLASSES))
+    images[np.arange(n), labels] = rng.uniform(0.6, 1.0, size=n)
     data[task] = base.TaskData(logits_fn, images)
   return theta0, vectors, data
 
@@ -70,21 +81,20 @@ def test_with_all_ones_masks_dam_is_adamerging():
 
 
 @pytest.mark.parametrize('oracle', [False, True])
-def test_the_backdoor_detection_mask_drops_the_planted_trigger_block(oracle):
+def test_the_backdoor_detection_mask_drops_the_planted_rows_and_keeps_the_inert_ones(oracle):
   theta0, vectors, data = toy()
 
   def trigger(images):
     triggered = np.array(images, copy=True)
-    triggered[:, CLEAN_PIXELS:] = 1.0
+    triggered[:, TRIGGER] = 1.0
     return triggered
 
   learned = dam.learn(vectors, theta0=theta0, data=data, key=jax.random.PRNGKey(0),
                       masks=('safe',), trigger=trigger if oracle else None, steps=40,
                       refit_steps=1, mask_learning_rate=0.1)
-  kept = np.asarray(learned.masks['safe']['kernel']) > 0
-  trigger_rows, clean_rows = kept[CLEAN_PIXELS:].mean(), kept[:CLEAN_PIXELS].mean()
-  assert trigger_rows <= clean_rows - 0.5, (trigger_rows, clean_rows)
-  assert all(o['safety'] >= 0 for o in learned.objectives)
+  mask = np.asarray(learned.masks['safe']['backdoor'])
+  planted, inert = mask[:2].mean(), mask[2:].mean()
+  assert planted <= 0.5 * inert, (planted, inert)
 
 
 def test_no_label_is_read_and_a_key_repeats_bit_for_bit():
@@ -93,20 +103,21 @@ def test_no_label_is_read_and_a_key_repeats_bit_for_bit():
              for t, d in data.items()}
   settings = dict(theta0=theta0, steps=3, refit_steps=2, granularity='layer')
   first = dam.merge(vectors, data=data, key=jax.random.PRNGKey(1), **settings)
-  for other in (dam.merge(vectors, data=garbage, key=jax.random.PRNGKey(1), **settings),
-                dam.merge(vectors, data=data, key=jax.random.PRNGKey(1), **settings)):
-    for a, b in zip(leaves(first.delta), leaves(other.delta)):
-      np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+  # A second keyed run, reading garbage labels this time: the same bits.
+  again = dam.merge(vectors, data=garbage, key=jax.random.PRNGKey(1), **settings)
+  for a, b in zip(leaves(first.delta), leaves(again.delta)):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
   different = dam.merge(vectors, data=data, key=jax.random.PRNGKey(2), **settings)
   assert any(not np.array_equal(a, b) for a, b in zip(leaves(first.delta),
                                                        leaves(different.delta)))
 
 
-def test_final_masks_are_the_rescaled_thresholds():
-  logits = {'a': jnp.array([[-1.0, 0.0], [2.0, -3.0]]), 'b': jnp.array([-1.0, -2.0])}
+def test_final_masks_are_the_rescaled_expectations():
+  logits = {'a': jnp.array([[-1.0, 0.0], [2.0, -3.0]]), 'b': jnp.array([-50.0, -60.0])}
   mask = dam.final_mask(logits)
-  np.testing.assert_array_equal(mask['a'], [[0.0, 2.0], [2.0, 0.0]])
-  np.testing.assert_array_equal(mask['b'], [0.0, 0.0])
+  expectation = 1 / (1 + np.exp(-np.array([[-1.0, 0.0], [2.0, -3.0]])))
+  np.testing.assert_allclose(mask['a'], expectation / expectation.mean(), rtol=1e-6)
+  np.testing.assert_allclose(mask['b'], [1.0, 0.0], atol=1e-4)
   samples = dam.sampled_mask({'a': jnp.zeros((50, 40))}, jax.random.PRNGKey(0), 0.5)['a']
   np.testing.assert_allclose(float(samples.mean()), 1.0, rtol=1e-5)
   assert 0.0 <= float(samples.min()) and float(samples.max()) > 1.5

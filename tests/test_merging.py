@@ -58,6 +58,7 @@ def task_data(labels=True, n=24):
 INPUTS = {'key': jax.random.PRNGKey(7), 'theta0': THETA0, 'apply_fn': APPLY}
 # Fast settings per method; AdaMerging takes few steps here.
 SETTINGS = {'adamerging_task': dict(steps=3), 'adamerging_layer': dict(steps=3),
+            'dam': dict(steps=2, refit_steps=2),
             'fisher': dict(batch_size=8), 'regmean': dict(batch_size=8)}
 
 
@@ -110,11 +111,16 @@ def single_vector_output(name, vector):
 def test_one_task_vector_in_gives_the_documented_output(name):
   vector = random_vectors(tasks=('t0',))[0]
   merged = flat(run(name, [vector]).delta)
-  if name.startswith('adamerging'):
-    # λ·τ with λ learned: a multiple of τ, per vector or per leaf.
+  if name.startswith('adamerging') or name == 'dam':
+    # λ·τ with λ learned, a multiple of τ per vector or per leaf; DAM's also masked, and its
+    # per-tensor rescaled masks give one multiple per leaf on the entries they keep.
     for path, value in flat(vector.delta).items():
-      ratio = merged[path].ravel()[0] / value.ravel()[0]
-      np.testing.assert_allclose(merged[path], ratio * value, rtol=1e-5, err_msg=path)
+      kept = merged[path] != 0
+      assert kept.any() or name == 'dam', path
+      if kept.any():
+        ratio = merged[path][kept][0] / value[kept][0]
+        np.testing.assert_allclose(merged[path][kept], ratio * value[kept], rtol=1e-5,
+                                   err_msg=path)
     return
   expected = single_vector_output(name, vector)
   for path in expected:

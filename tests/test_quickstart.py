@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -9,11 +10,14 @@ import pytest
 
 from configs import merge as merge_config
 from configs import quickstart as quickstart_config
+from configs import safety as safety_config
 from editing import checkpoint
 from editing import tree as tree_lib
 from launch import common
+from launch import finetune
 from launch import merge
 from launch import quickstart
+from launch import safety
 
 
 @pytest.fixture(scope='module', name='tiny_run')
@@ -163,3 +167,46 @@ def test_merge_hyperparameter_grids_are_comma_separated():
   config.regimes = 'linearized'
   with pytest.raises(ValueError, match=r"\['regmean'\] cannot merge linearized"):
     merge.run(config, '/nonexistent')
+
+
+def test_safety_job_poisons_merges_and_scores_clean_accuracy_and_asr(tiny_run, tmp_path):
+  _, quickstart_workdir, _ = tiny_run
+  workdir = str(tmp_path)
+  shutil.copytree(common.pretrain_dir(quickstart_workdir), common.pretrain_dir(workdir))
+  # The quickstart's compiled fine-tuning steps serve the poisoned fine-tunes too.
+  shutil.copytree(os.path.join(quickstart_workdir, '.jax_cache'),
+                  os.path.join(workdir, '.jax_cache'))
+  config = safety_config.get_config('tiny')
+  config.safety.update(seeds='0', triggers='badnets', poisoned_counts='1',
+                       methods='task_arithmetic,dam_oracle')
+  summary = safety.run(config, workdir)
+  assert [(r['trigger'], r['poisoned'], r['method']) for r in summary['merges']] == [
+      ('badnets', ['digits'], 'task_arithmetic'), ('badnets', ['digits'], 'dam_oracle')]
+  for r in summary['merges']:
+    assert set(r['asr']) == {'digits', 'colour', 'size'}
+    assert r['succession'] == r['asr']['digits']
+    assert r['transfer'] == pytest.approx((r['asr']['colour'] + r['asr']['size']) / 2)
+    assert 0 <= r['mean_test'] <= 1
+  seed_dir = os.path.join(workdir, 'safety', 'seed_0')
+  clean, _ = checkpoint.load_task_vector(os.path.join(seed_dir, 'clean', 'digits',
+                                                      common.TASK_VECTOR))
+  poisoned, meta = checkpoint.load_task_vector(os.path.join(seed_dir, 'badnets', 'digits',
+                                                            common.TASK_VECTOR))
+  assert meta['poison']['trigger'] == 'badnets' and meta['poison']['tasks'] == 'digits'
+  assert not np.allclose(clean.delta['proj']['kernel'], poisoned.delta['proj']['kernel'])
+  attacks = summary['fine_tunes'][0]
+  assert set(attacks) == {'clean/digits', 'clean/colour', 'clean/size', 'badnets/digits'}
+  report = open(os.path.join(workdir, 'safety', 'report.md')).read()
+  assert '| badnets | digits | dam_oracle |' in report
+  with open(os.path.join(workdir, 'safety', 'scatter.png'), 'rb') as f:
+    assert f.read(8) == PNG
+  # A rerun reuses every fine-tune and merge.
+  assert safety.run(config, workdir)['merges'] == json.loads(json.dumps(summary['merges']))
+
+
+def test_a_poisoned_fine_tune_is_refused_where_a_clean_one_was_made(tiny_run):
+  config, workdir, _ = tiny_run
+  poisoned = quickstart_config.get_config('tiny')
+  poisoned.poison.tasks = 'digits'
+  with pytest.raises(ValueError, match='poison'):
+    finetune.run(poisoned, workdir, 'digits', common.regime(poisoned, 'full'))
