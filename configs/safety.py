@@ -33,6 +33,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
               'dam_safe,dam_oracle',
   ))
 
+  # The attack, strong enough to test a defense on this suite: each poisoned model reaches an
+  # ASR ≥ 90% within 2 points of its clean fine-tune's accuracy. Poisoning 10% cost digits 5
+  # points of clean accuracy in 100 steps, and Blended at ratio 0.15 stayed under 90% ASR.
+  config.poison.rate = 0.05
+  config.blended.ratio = 0.3
+
   # One setting per method (no grid) and short learned merges, for the CPU budget: TIES keeps
   # the top 20% (its paper's default), DARE drops half; λ is still chosen on validation.
   config.ties.k = '0.2'

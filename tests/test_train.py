@@ -42,7 +42,9 @@ def latest_checkpoint(workdir):
   return max(steps, default=0)
 
 
-@pytest.mark.parametrize('regime', ['full', 'attention_only', 'linearized', 'talos'])
+# Resuming is the loop's, whatever the regime; talos adds the one extra step input (its update
+# mask), and the other regimes only change which leaves train or the encoder.
+@pytest.mark.parametrize('regime', ['full', 'talos'])
 def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime,
                                                     compilation_cache):
   steps = 24
