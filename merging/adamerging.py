@@ -11,6 +11,7 @@ gradients flow through the merged params by `jax.grad`. No label is read. The co
 not clipped (the paper states no bound). The result, Σ_k λ_k τ_k, is applied at λ = 1.
 """
 
+import functools
 from typing import Mapping, NamedTuple, Sequence
 
 import jax
@@ -54,20 +55,7 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
   base.check(task_vectors, 'adamerging')
   tasks = {t: base.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
   coefficients = initial_coefficients(len(task_vectors), theta0, granularity, init)
-  tx = optax.adam(learning_rate)
-
-  def objective(coefficients, batches, theta0, task_vectors):
-    params = jax.tree.map(jnp.add, theta0, merged_delta(task_vectors, coefficients))
-    return sum(entropy(tasks[t].logits_fn(params, batches[t])) for t in tasks)
-
-  # θ0 and the vectors are arguments, not closed-over constants: compiling megabytes of
-  # constants is slow, and as arguments every merge of same-shaped vectors shares one program.
-  @jax.jit
-  def step(coefficients, opt_state, batches, theta0, task_vectors):
-    value, grads = jax.value_and_grad(objective)(coefficients, batches, theta0, task_vectors)
-    updates, opt_state = tx.update(grads, opt_state, coefficients)
-    return optax.apply_updates(coefficients, updates), opt_state, value
-
+  tx, step = _step(tuple((t, d.logits_fn) for t, d in tasks.items()), learning_rate)
   opt_state = tx.init(coefficients)
   entropies = []
   for i in range(steps):
@@ -77,6 +65,29 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
                                           list(task_vectors))
     entropies.append(float(value))
   return Learned(coefficients, entropies)
+
+
+@functools.lru_cache(maxsize=16)
+def _step(logits_fns: tuple[tuple[str, base.LogitsFn], ...], learning_rate: float):
+  """(optimizer, jitted step), built once per task set and learning rate so that repeated
+  merges reuse one compiled program.
+
+  θ0 and the vectors are arguments, not closed-over constants: compiling megabytes of
+  constants is slow, and as arguments every merge of same-shaped vectors shares one program.
+  """
+  tx = optax.adam(learning_rate)
+
+  def objective(coefficients, batches, theta0, task_vectors):
+    params = jax.tree.map(jnp.add, theta0, merged_delta(task_vectors, coefficients))
+    return sum(entropy(logits_fn(params, batches[t])) for t, logits_fn in logits_fns)
+
+  @jax.jit
+  def step(coefficients, opt_state, batches, theta0, task_vectors):
+    value, grads = jax.value_and_grad(objective)(coefficients, batches, theta0, task_vectors)
+    updates, opt_state = tx.update(grads, opt_state, coefficients)
+    return optax.apply_updates(coefficients, updates), opt_state, value
+
+  return tx, step
 
 
 def initial_coefficients(count: int, theta0: base.PyTree, granularity: str,

@@ -149,9 +149,36 @@ def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularit
   coefficients = adamerging.initial_coefficients(len(task_vectors), theta0, granularity, init)
   logits = {m: jax.tree.map(lambda d: jnp.full(d.shape, mask_init, jnp.float32),
                             task_vectors[0].delta) for m in masks}
-  lambda_tx, mask_tx = optax.adam(learning_rate), optax.adam(mask_learning_rate)
+  lambda_tx, mask_tx, step = _step(
+      tuple((t, d.logits_fn) for t, d in tasks.items()), masks, learning_rate,
+      mask_learning_rate, temperature, bound, perturbation_step, safety_weight)
   image_shape = next(iter(tasks.values())).images.shape[1:]
   perturbation = {t: jnp.zeros(image_shape, jnp.float32) for t in tasks}
+
+  states = {'lambda': lambda_tx.init(coefficients), **{m: mask_tx.init(logits[m]) for m in masks}}
+  objectives = []
+  for i in range(steps):
+    step_key = jax.random.fold_in(key, i)
+    batches = {t: adamerging.batch(d.images, batch_size,
+                                   jax.random.fold_in(step_key, tree_lib.stable_hash(t)))
+               for t, d in tasks.items()}
+    triggered = None
+    if trigger is not None:
+      triggered = {t: np.asarray(trigger(b), np.float32) for t, b in batches.items()}
+    coefficients, logits, states, perturbation, objective = step(
+        (theta0, list(task_vectors)), coefficients, logits, states, perturbation, batches,
+        triggered, step_key)
+    objectives.append({k: float(v) for k, v in objective.items()})
+  return {m: final_mask(logits[m]) for m in masks}, perturbation, objectives
+
+
+@functools.lru_cache(maxsize=16)
+def _step(logits_fns, masks, learning_rate, mask_learning_rate, temperature, bound,
+          perturbation_step, safety_weight):
+  """(λ's optimizer, the masks' optimizer, the jitted iteration), built once per task set and
+  settings so that repeated merges reuse one compiled program."""
+  lambda_tx, mask_tx = optax.adam(learning_rate), optax.adam(mask_learning_rate)
+  logits_fn = dict(logits_fns)
 
   def merged_params(fixed, coefficients, mask):
     theta0, task_vectors = fixed
@@ -162,16 +189,16 @@ def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularit
     return jax.tree.map(lambda *ms: functools.reduce(jnp.multiply, ms), *samples.values())
 
   def performance(params, batches):
-    return sum(adamerging.entropy(tasks[t].logits_fn(params, batches[t])) for t in tasks)
+    return sum(adamerging.entropy(logits_fn[t](params, batches[t])) for t in logits_fn)
 
   def safety(params, perturbed, predicted):
     return sum(optax.softmax_cross_entropy_with_integer_labels(
-        tasks[t].logits_fn(params, perturbed[t]), predicted[t]).mean() for t in tasks)
+        logits_fn[t](params, perturbed[t]), predicted[t]).mean() for t in logits_fn)
 
   def perturbed_inputs(batches, perturbation, triggered):
     if triggered is not None:
       return triggered
-    return {t: jnp.clip(batches[t] + perturbation[t], 0.0, 1.0) for t in tasks}
+    return {t: jnp.clip(batches[t] + perturbation[t], 0.0, 1.0) for t in logits_fn}
 
   # θ0 and the vectors (`fixed`) are arguments rather than closed-over constants, as in
   # adamerging.learn: faster to compile, and one program for every same-shaped merge.
@@ -201,13 +228,13 @@ def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularit
       logits = dict(logits, shared=optax.apply_updates(logits['shared'], updates))
     if 'safe' in masks:
       params = merged_params(fixed, coefficients, mask_product(samples))
-      predicted = {t: jnp.argmax(tasks[t].logits_fn(params, batches[t]), -1) for t in tasks}
+      predicted = {t: jnp.argmax(logits_fn[t](params, batches[t]), -1) for t in logits_fn}
       if triggered is None:
         # The surrogate trigger: one signed ascent step on the merged model's loss, projected.
         ascent = jax.grad(lambda p: safety(params, perturbed_inputs(batches, p, None),
                                            predicted))(perturbation)
         perturbation = {t: jnp.clip(perturbation[t] + perturbation_step * jnp.sign(ascent[t]),
-                                    -bound, bound) for t in tasks}
+                                    -bound, bound) for t in logits_fn}
       perturbed = perturbed_inputs(batches, perturbation, triggered)
 
       def safe_objective(mask_logits):
@@ -221,21 +248,7 @@ def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularit
       logits = dict(logits, safe=optax.apply_updates(logits['safe'], updates))
     return coefficients, logits, states, perturbation, objective
 
-  states = {'lambda': lambda_tx.init(coefficients), **{m: mask_tx.init(logits[m]) for m in masks}}
-  objectives = []
-  for i in range(steps):
-    step_key = jax.random.fold_in(key, i)
-    batches = {t: adamerging.batch(d.images, batch_size,
-                                   jax.random.fold_in(step_key, tree_lib.stable_hash(t)))
-               for t, d in tasks.items()}
-    triggered = None
-    if trigger is not None:
-      triggered = {t: np.asarray(trigger(b), np.float32) for t, b in batches.items()}
-    coefficients, logits, states, perturbation, objective = step(
-        (theta0, list(task_vectors)), coefficients, logits, states, perturbation, batches,
-        triggered, step_key)
-    objectives.append({k: float(v) for k, v in objective.items()})
-  return {m: final_mask(logits[m]) for m in masks}, perturbation, objectives
+  return lambda_tx, mask_tx, step
 
 
 def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
