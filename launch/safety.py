@@ -98,7 +98,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         fine_tunes[seed][f'{g or "clean"}/{t}'] = {
             'test': evaluator.accuracy(theta0, params, heads[t], data[t].test),
             'asr': {h: attack_success(params, h)[t] for h in trigger_names}}
-  runs = []
+  summary = {'regime': regime.name, 'tasks': names, 'victims': victims, 'counts': counts,
+             'triggers': trigger_names, 'target': target, 'seeds': seeds, 'methods': methods,
+             'pretrained': pretrained, 'fine_tunes': fine_tunes, 'merges': []}
   for g in trigger_names:
     for count in counts:
       poisoned = victims[:count]
@@ -113,17 +115,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
           result = _merge_and_attack(seeded, name, scenario, inputs, evaluator, finetuned,
                                      directory, functools.partial(attack_success,
                                                                   trigger_name=g), poisoned)
-          runs.append({'seed': seed, 'trigger': g, 'poisoned': poisoned, **result})
-  summary = {'regime': regime.name, 'tasks': names, 'victims': victims, 'counts': counts,
-             'triggers': trigger_names, 'target': target, 'seeds': seeds, 'methods': methods,
-             'pretrained': pretrained, 'fine_tunes': fine_tunes, 'merges': runs}
-  out = _safety_dir(workdir)
+          summary['merges'].append({'seed': seed, 'trigger': g, 'poisoned': poisoned, **result})
+      # The reports so far, rewritten after every scenario: a stopped run still has them.
+      _write_reports(summary, _safety_dir(workdir))
+  print(report.safety_table(summary))
+  return summary
+
+
+def _write_reports(summary: dict, out: str) -> None:
   checkpoint.atomic_write_json(os.path.join(out, 'results.json'), summary)
   checkpoint.atomic_write_bytes(os.path.join(out, 'report.md'),
                                 report.safety_markdown(summary).encode())
   report.plot_safety(summary, os.path.join(out, 'scatter.png'))
-  print(report.safety_table(summary))
-  return summary
 
 
 def _merge_and_attack(config, name, vectors, inputs, evaluator, finetuned, directory,
