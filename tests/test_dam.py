@@ -95,6 +95,11 @@ def test_the_backdoor_detection_mask_drops_the_planted_rows_and_keeps_the_inert_
   mask = np.asarray(learned.masks['safe']['backdoor'])
   planted, inert = mask[:2].mean(), mask[2:].mean()
   assert planted <= 0.5 * inert, (planted, inert)
+  # The safe loss is what tells them apart: without it neither row moves.
+  unweighted = dam.learn(vectors, theta0=theta0, data=data, key=jax.random.PRNGKey(0),
+                         masks=('safe',), trigger=trigger if oracle else None, steps=40,
+                         refit_steps=1, mask_learning_rate=0.1, safety_weight=0.0)
+  np.testing.assert_allclose(unweighted.masks['safe']['backdoor'], 1.0, rtol=1e-6)
 
 
 def test_no_label_is_read_and_a_key_repeats_bit_for_bit():
