@@ -7,8 +7,8 @@ r"""Backdoors through merging: 1 and 2 poisoned tasks, BadNets and Blended, ever
 
 Derived from configs/merge.py: the same backbone, fine-tuning and method sections (so a merge
 here is chosen as in launch.merge). Three of the suite's tasks and short learned merges
-(50 steps) keep the whole run near an hour on 2 CPU cores; `--config.suite.tasks` takes any
-of the tasks, and the step counts can be raised.
+(50 steps) keep the whole run to about two and a half hours on 2 CPU cores;
+`--config.suite.tasks` takes any of the tasks, and the step counts can be raised.
 """
 
 import ml_collections
