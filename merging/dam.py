@@ -21,9 +21,9 @@ The two mask steps alternate within every iteration. At the end each mask is mad
 deterministic by its expectation σ(ℓ) (the mean of the binary mask that the Concrete relaxes
 as T → 0), rescaled per tensor by its mean as during training, and λ is fitted again from its
 initial value by AdaMerging on the masked vectors M_s ⊙ M_b ⊙ τ_k. (A threshold 1[ℓ ≥ 0]
-would turn the sign of every barely trained logit into a hard keep-or-drop.) No label, trigger or target is
-read: only `data[t].images` (the paper's unlabeled test inputs). Given `trigger` (the true
-one: the oracle ablation), the perturbed inputs are trigger(x) instead.
+would turn the sign of every barely trained logit into a hard keep-or-drop.) No label,
+trigger or target is read: only `data[t].images` (the paper's unlabeled test inputs). Given
+`trigger` (the true one: the oracle ablation), the perturbed inputs are trigger(x) instead.
 
 Where the authors' released code differs from the paper, the paper is followed:
 - it trains ONE mask with both losses; here two masks, each with its own steps;
