@@ -226,9 +226,9 @@ _ATTACK_HEADER = ('fine-tune', 'clean accuracy', 'poisoned accuracy', 'ASR')
 def _attack_rows(summary: dict) -> list[list[str]]:
   """Each poisoned single-task model against the clean fine-tune of its seed."""
   rows = []
+  per_seed = list(summary['fine_tunes'].values())
   for trigger in summary['triggers']:
     for task in summary['victims'][:max(summary['counts'])]:
-      per_seed = [attacks for attacks in summary['fine_tunes'].values()]
       rows.append([f'{trigger}/{task}',
                    _mean_std([a[f'clean/{task}']['test'] for a in per_seed]),
                    _mean_std([a[f'{trigger}/{task}']['test'] for a in per_seed]),

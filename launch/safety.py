@@ -69,14 +69,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   data = {t: common.load_task(config, t) for t in names}
   heads = {t: common.head(config, workdir, data[t], theta0, apply_fn) for t in names}
   evaluator = common.evaluator(config, apply_fn, regime.name)
-  triggered = {g: {t: suite.Dataset(common.trigger(config, g)(data[t].test.images),
-                                    data[t].test.labels) for t in names} for g in trigger_names}
+  trigger_fns = {g: common.trigger(config, g) for g in trigger_names}
+  triggered = {g: {t: suite.Dataset(trigger_fns[g](data[t].test.images), data[t].test.labels)
+                   for t in names} for g in trigger_names}
   target = config.poison.target
 
-  def attack_success(params, trigger_name):
+  def attack_success(params, trigger_name, tasks=names):
     return {t: evaluate.attack_success_rate(
         evaluator.predictions(theta0, params, heads[t], triggered[trigger_name][t]),
-        data[t].test.labels, target) for t in names}
+        data[t].test.labels, target) for t in tasks}
 
   pretrained = {'test': {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
                          for t in names},
@@ -87,17 +88,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   for seed in seeds:
     seeded = _seeded(config, seed)
     seed_dir = os.path.join(_safety_dir(workdir), f'seed_{seed}')
+    fine_tunes[seed] = {}  # each fine-tuned model alone: the attack's strength and its cost
     for g, t in [(None, t) for t in names] + [(g, t) for g in trigger_names
                                               for t in victims[:max(counts)]]:
-      vectors[seed, g, t] = finetune.run(_poisoning(seeded, g, t), workdir, t, regime,
-                                         directory=os.path.join(seed_dir, g or 'clean', t))
-    fine_tunes[seed] = {}  # each fine-tuned model alone: the attack's strength and its cost
-    for (s, g, t), vector in vectors.items():
-      if s == seed:
-        params = vector.apply_to(theta0)
-        fine_tunes[seed][f'{g or "clean"}/{t}'] = {
-            'test': evaluator.accuracy(theta0, params, heads[t], data[t].test),
-            'asr': {h: attack_success(params, h)[t] for h in trigger_names}}
+      vector = finetune.run(_poisoning(seeded, g, t), workdir, t, regime,
+                            directory=os.path.join(seed_dir, g or 'clean', t))
+      vectors[seed, g, t] = vector
+      params = vector.apply_to(theta0)
+      fine_tunes[seed][f'{g or "clean"}/{t}'] = {
+          'test': evaluator.accuracy(theta0, params, heads[t], data[t].test),
+          'asr': {h: attack_success(params, h, [t])[t] for h in trigger_names}}
   summary = {'regime': regime.name, 'tasks': names, 'victims': victims, 'counts': counts,
              'triggers': trigger_names, 'target': target, 'seeds': seeds, 'methods': methods,
              'pretrained': pretrained, 'fine_tunes': fine_tunes, 'merges': []}
@@ -109,7 +109,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         scenario = [vectors[seed, g if t in poisoned else None, t] for t in names]
         finetuned = merge.finetuned_accuracy(evaluator, theta0, scenario, heads, data)
         inputs = merge.MergeInputs(seeded, regime.encoder(apply_fn), theta0, apply_fn, heads,
-                                   data, extra={'trigger': common.trigger(config, g)})
+                                   data, extra={'trigger': trigger_fns[g]})
         for name in methods:
           directory = os.path.join(_safety_dir(workdir), f'seed_{seed}', f'{g}_{count}', name)
           result = _merge_and_attack(seeded, name, scenario, inputs, evaluator, finetuned,
