@@ -97,6 +97,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       disentanglement_size=250,
   ))
 
+  # launch.benchmark: the fine-tuning step of every regime on one batch of `task` (its data,
+  # θ0 and head drawn from `seed`), timed over `steps` steps after compiling.
+  config.benchmark = ml_collections.ConfigDict(dict(task='colour', seed=0, steps=20))
+
   # Devices: 0 means all visible ones, on a 1-D data-parallel mesh. Params are placed by
   # (regex, partition spec) rules, first match wins; the default replicates everything.
   config.num_devices = 0

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import batching
 from editing import sharding as sharding_lib
 from editing.data.suite import Dataset
 from editing.models import head as head_lib
@@ -43,18 +44,16 @@ class Evaluator:
     self._encode = jax.jit(encoder, out_shardings=self._batch)
     self._predict = jax.jit(
         lambda theta0, params, head, images: jnp.argmax(
-            head_lib.logits(encoder(theta0, params, images), head, logit_scale), axis=-1),
+            head_lib.logits_fn(encoder, theta0, head, logit_scale)(params, images), axis=-1),
         out_shardings=self._batch)
     self._apply = jax.jit(lambda theta0, vector, alpha: vector.apply_to(theta0, alpha))
 
   def _batched(self, fn, data: Dataset) -> np.ndarray:
     outputs = []
-    for start in range(0, len(data), self._batch_size):
-      idx = np.arange(start, min(start + self._batch_size, len(data)))
-      images, _ = data.batch(idx)
-      padded = np.zeros((self._batch_size,) + images.shape[1:], images.dtype)
-      padded[:len(idx)] = images
-      outputs.append(np.asarray(fn(jax.device_put(padded, self._batch)))[:len(idx)])
+    # Padding rows repeat example 0 and are cut from the outputs.
+    for batch in batching.padded_batches([np.arange(len(data))], self._batch_size):
+      images, _ = data.batch(batch.arrays[0])
+      outputs.append(np.asarray(fn(jax.device_put(images, self._batch)))[:batch.count])
     return np.concatenate(outputs)
 
   def features(self, theta0: PyTree, params: PyTree, data: Dataset) -> np.ndarray:
@@ -69,6 +68,19 @@ class Evaluator:
   def edit(self, theta0: PyTree, vector: TaskVector, alpha: float) -> PyTree:
     """θ0 + α·τ, jitted once for every α."""
     return self._apply(theta0, vector, jnp.float32(alpha))
+
+
+def finetuned_accuracy(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[TaskVector],
+                       heads: Mapping[str, Any], data: Mapping[str, Any]) -> dict:
+  """Per task, {'val', 'test'} accuracy of its own single-task vector at α = 1: the
+  denominators of normalized accuracy. `data[t]` has `val` and `test` splits."""
+  out = {}
+  for vector in vectors:
+    task = vector.tasks[0]
+    params = evaluator.edit(theta0, vector, 1.0)
+    out[task] = {split: evaluator.accuracy(theta0, params, heads[task], getattr(data[task], split))
+                 for split in ('val', 'test')}
+  return out
 
 
 def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import batching
 from editing import tree as tree_lib
 
 PyTree = Any
@@ -17,8 +18,9 @@ ExampleFn = Callable[[PyTree, jax.Array, jax.Array, Any], jax.Array]
 class SquaredGradientSum:
   """Σ_i (∂ example_fn(θ, x_i, e_i, c) / ∂θ_j)² for the leaves of θ at `paths`.
 
-  Per-example gradients come from `jax.vmap` over chunks of `batch_size` examples, compiled once
-  for every call; `e_i` is a per-example extra (a label, an index) and `c` a value shared by all
+  Per-example gradients come from `jax.vmap` over fixed-size chunks of `batch_size` examples
+  (`editing.batching`: the last one padded and its padding weighted 0), compiled once for
+  every call; `e_i` is a per-example extra (a label, an index) and `c` a value shared by all
   (e.g. a PRNG key). The other leaves enter as constants and are not differentiated.
   """
 
@@ -39,15 +41,9 @@ class SquaredGradientSum:
     self._chunk_sum = jax.jit(chunk_sum)
 
   def __call__(self, images: np.ndarray, extras: np.ndarray, shared=None) -> dict[str, np.ndarray]:
-    size = self._batch_size
     totals = {p: np.zeros(np.shape(v), np.float32) for p, v in self._scored.items()}
-    for start in range(0, len(images), size):
-      count = min(size, len(images) - start)
-      # The last chunk is padded to the same shape (one compile) and its padding weighted 0.
-      pad = lambda a: np.concatenate([a[start:start + count],
-                                      np.zeros((size - count,) + a.shape[1:], a.dtype)])
-      weights = (np.arange(size) < count).astype(np.float32)
-      sums = self._chunk_sum(self._scored, self._rest, pad(images), pad(extras), weights, shared)
+    for batch in batching.padded_batches([images, extras], self._batch_size):
+      sums = self._chunk_sum(self._scored, self._rest, *batch.arrays, batch.weights, shared)
       for p, s in jax.device_get(sums).items():
         totals[p] += s
     return totals

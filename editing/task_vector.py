@@ -14,12 +14,11 @@ the linearized model around its own θ0.
 """
 
 import numbers
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from editing import tree as tree_lib
 
@@ -46,7 +45,7 @@ class TaskVector:
   def from_params(cls, base_params: PyTree, finetuned: PyTree, *, task: str,
                   regime: str) -> 'TaskVector':
     """τ = θ_ft − θ0, computed in float32 whatever the params' dtype."""
-    _check_same_structure(base_params, finetuned, 'base params', 'fine-tuned params')
+    tree_lib.check_same_structure(base_params, finetuned, 'base params', 'fine-tuned params')
     delta = jax.tree.map(lambda t, b: jnp.asarray(t, jnp.float32) - jnp.asarray(b, jnp.float32),
                          finetuned, base_params)
     return cls(delta, (task,), regime, tree_lib.fingerprint(base_params))
@@ -54,13 +53,7 @@ class TaskVector:
   def _combine(self, other: 'TaskVector', op) -> 'TaskVector':
     if not isinstance(other, TaskVector):
       return NotImplemented
-    if self.regime != other.regime:
-      raise ValueError(f'cannot combine task vectors of regimes {self.regime!r} ({self.tasks}) '
-                       f'and {other.regime!r} ({other.tasks})')
-    if self.base != other.base:
-      raise ValueError(f'cannot combine task vectors of different base models: {self.base} '
-                       f'({self.tasks}) vs {other.base} ({other.tasks})')
-    _check_same_structure(self.delta, other.delta, str(self.tasks), str(other.tasks))
+    check_compatible([self, other], 'combine')
     tasks = self.tasks + tuple(t for t in other.tasks if t not in self.tasks)
     return TaskVector(jax.tree.map(op, self.delta, other.delta), tasks, self.regime, self.base)
 
@@ -88,7 +81,7 @@ class TaskVector:
 
   def apply_to(self, base_params: PyTree, alpha=1.0) -> PyTree:
     """θ0 + α·τ, in the base params' dtypes. With α = 0 the base comes back unchanged."""
-    _check_same_structure(base_params, self.delta, 'base params', str(self.tasks))
+    tree_lib.check_same_structure(base_params, self.delta, 'base params', str(self.tasks))
     return jax.tree.map(lambda b, d: (b + alpha * d).astype(b.dtype), base_params, self.delta)
 
   def norm(self) -> jax.Array:
@@ -96,7 +89,7 @@ class TaskVector:
     return jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(self.delta)))
 
   def dot(self, other: 'TaskVector') -> jax.Array:
-    _check_same_structure(self.delta, other.delta, str(self.tasks), str(other.tasks))
+    tree_lib.check_same_structure(self.delta, other.delta, str(self.tasks), str(other.tasks))
     return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(self.delta),
                                              jax.tree.leaves(other.delta)))
 
@@ -110,11 +103,17 @@ class TaskVector:
     zeros = sum(jnp.sum(d == 0) for d in leaves)
     return zeros / sum(d.size for d in leaves)
 
-  def to_numpy(self) -> 'TaskVector':
-    return self.replace(delta=jax.tree.map(np.asarray, self.delta))
 
-
-def _check_same_structure(a: PyTree, b: PyTree, name_a: str, name_b: str) -> None:
-  mismatch = tree_lib.first_mismatch(a, b)
-  if mismatch is not None:
-    raise ValueError(f'{name_a} and {name_b} differ at {mismatch}')
+def check_compatible(vectors: Sequence[TaskVector], what: str) -> None:
+  """At least one vector; all of one regime and base, with one tree (else name the path)."""
+  if not vectors:
+    raise ValueError(f'{what} needs at least one task vector')
+  first = vectors[0]
+  for other in vectors[1:]:
+    if (other.regime, other.base) != (first.regime, first.base):
+      reason = 'regimes' if other.regime != first.regime else 'base models'
+      raise ValueError(f'{what}: task vectors of {first.tasks} ({first.regime}, base '
+                       f'{first.base}) and {other.tasks} ({other.regime}, base {other.base}) '
+                       f'come from different {reason}')
+    tree_lib.check_same_structure(first.delta, other.delta, f'{what}: {first.tasks}',
+                                  str(other.tasks))

@@ -1,4 +1,5 @@
-"""Pytree paths: stable '/'-joined keys, regex leaf selection, structure checks, fingerprints.
+"""Pytree paths: stable '/'-joined keys, regex leaf selection, structure checks, top-k masks,
+fingerprints.
 
 Every leaf of a params tree is named by its path, e.g. ``blocks_0/attn/query/kernel``. Selection
 by path pattern (first matching rule wins, as in big_vision) is how regimes, masks and sharding
@@ -11,9 +12,11 @@ import zlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+SCOPES = ('tensor', 'global')
 
 
 def path_str(path) -> str:
@@ -88,6 +91,37 @@ def first_mismatch(a: PyTree, b: PyTree) -> str | None:
     if np.shape(x) != np.shape(y):
       return f'{path} (shape {np.shape(x)} vs {np.shape(y)})'
   return None
+
+
+def check_same_structure(a: PyTree, b: PyTree, name_a: str, name_b: str) -> None:
+  """An error naming the first path where `a` and `b` differ in structure or shape."""
+  mismatch = first_mismatch(a, b)
+  if mismatch is not None:
+    raise ValueError(f'{name_a} and {name_b} differ at {mismatch}')
+
+
+def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') -> PyTree:
+  """Boolean masks, True on the `count(n)` highest of n scores, exactly.
+
+  scope='tensor' ranks every leaf on its own (n = the leaf's size); scope='global' ranks the
+  whole tree at once (n = every entry). Ties go to the earlier entry (leaf order, then
+  row-major), so the count is exact whatever the values. For the lowest scores, pass −scores.
+  Jit-able: `count` sees static sizes.
+  """
+  if scope not in SCOPES:
+    raise ValueError(f'scope must be one of {SCOPES}, got {scope!r}')
+
+  def top(values):
+    kept = count(values.size)
+    order = jnp.argsort(-values, stable=True)
+    return jnp.zeros(values.shape, bool).at[order[:kept]].set(True)
+
+  if scope == 'tensor':
+    return jax.tree.map(lambda s: top(jnp.ravel(s)).reshape(np.shape(s)), scores)
+  leaves, treedef = jax.tree.flatten(scores)
+  kept = top(jnp.concatenate([jnp.ravel(s) for s in leaves]))
+  pieces = jnp.split(kept, np.cumsum([np.size(s) for s in leaves])[:-1].tolist())
+  return jax.tree.unflatten(treedef, [p.reshape(np.shape(s)) for p, s in zip(pieces, leaves)])
 
 
 def fingerprint(tree: PyTree) -> str:

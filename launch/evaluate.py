@@ -1,134 +1,15 @@
-r"""Evaluates the suite's task vectors of every configured regime: single-task, task addition,
-task negation and weight disentanglement.
+r"""Evaluates the task vectors of every configured regime: single-task accuracy, task addition,
+task negation and weight disentanglement (`editing.jobs.evaluate`).
 
   python -m launch.evaluate --workdir=workdir/quickstart [--config.regimes=full,talos]
 
-Reads the pretrained backbone and the task vectors that `launch.finetune` saved in the workdir;
-writes <workdir>/evaluation/<regime>/{results.json, report.md, alpha_curves.png,
+Writes <workdir>/evaluation/<regime>/{results.json, report.md, alpha_curves.png,
 disentanglement.png} per regime and <workdir>/results.json and report.md over all of them.
 """
 
-import os
-
-import ml_collections
-import numpy as np
-from absl import app, logging
-
-from editing import checkpoint
-from editing import evaluate
-from editing.data import suite
-from launch import common
-from launch import report
-from merging import task_arithmetic
-
-
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs every protocol for every regime of `config.regimes` and writes the results."""
-  names = common.tasks(config)
-  regimes = [r.name for r in common.configured_regimes(config)]
-  pairs = disentanglement_pairs(config, names)
-  common.use_compilation_cache(workdir)
-  theta0, apply_fn = common.load_pretrained(workdir)
-  missing = [f'{r}/{t}' for r in regimes for t in names
-             if not os.path.exists(common.task_vector_file(workdir, r, t))]
-  if missing:
-    raise FileNotFoundError(f'no task vector for {missing} in {workdir}; run launch.finetune '
-                            '--task=<task> (or launch.quickstart) with these regimes first')
-  data = {t: common.load_task(config, t) for t in names + [suite.CONTROL_TASK]}
-  heads = {t: common.head(config, workdir, data[t], theta0, apply_fn) for t in data}
-  pretrained_evaluator = common.evaluator(config, apply_fn, 'full')
-  pretrained = {t: pretrained_evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
-                for t in data}
-  results = {'tasks': names, 'control_task': suite.CONTROL_TASK, 'regimes': {}}
-  for regime in regimes:
-    results['regimes'][regime] = evaluate_regime(config, workdir, regime, theta0, apply_fn,
-                                                 data, heads, pretrained, pairs)
-  checkpoint.atomic_write_json(os.path.join(workdir, 'results.json'), results)
-  checkpoint.atomic_write_bytes(os.path.join(workdir, 'report.md'),
-                                report.comparison_markdown(results).encode())
-  print(report.comparison_table(results))
-  return results
-
-
-def disentanglement_pairs(config: ml_collections.ConfigDict,
-                          names: list[str]) -> list[tuple[str, str]]:
-  """The task pairs of `config.eval.disentanglement_pairs`, or consecutive pairs of `names`."""
-  spec = config.eval.disentanglement_pairs
-  if not spec:
-    return list(zip(names[0::2], names[1::2]))
-  pairs = []
-  for item in spec.split(','):
-    pair = tuple(t.strip() for t in item.split(':'))
-    if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(names):
-      raise ValueError(f'config.eval.disentanglement_pairs: {item!r} is not two different '
-                       f'tasks of config.suite.tasks ({",".join(names)}) as "a:b"')
-    pairs.append(pair)
-  return pairs
-
-
-def evaluate_regime(config, workdir, regime, theta0, apply_fn, data, heads, pretrained,
-                    pairs) -> dict:
-  """The protocols for one regime's task vectors; also written to evaluation/<regime>/."""
-  names = [t for t in data if t != suite.CONTROL_TASK]
-  vectors = {t: checkpoint.load_task_vector(common.task_vector_file(workdir, regime, t))[0]
-             for t in names}
-  evaluator = common.evaluator(config, apply_fn, regime)
-  alphas = evaluate.alpha_grid(config.eval.alpha_step)
-
-  logging.info('%s: single-task accuracies', regime)
-  finetuned = {}
-  for t in names:
-    params = evaluator.edit(theta0, vectors[t], 1.0)
-    finetuned[t] = {split: evaluator.accuracy(theta0, params, heads[t], getattr(data[t], split))
-                    for split in ('val', 'test')}
-
-  logging.info('%s: task addition of %d task vectors over %d values of alpha', regime,
-               len(names), len(alphas))
-  addition = evaluate.task_addition(
-      evaluator, theta0, task_arithmetic.merge(list(vectors.values())),
-      heads={t: heads[t] for t in names},
-      val={t: data[t].val for t in names}, test={t: data[t].test for t in names},
-      finetuned=finetuned, alphas=alphas)
-
-  negation = {}
-  control = data[suite.CONTROL_TASK]
-  for t in names:
-    logging.info('%s: task negation of %s', regime, t)
-    negation[t] = evaluate.task_negation(
-        evaluator, theta0, vectors[t], head=heads[t], val=data[t].val, test=data[t].test,
-        control_head=heads[suite.CONTROL_TASK],
-        control_val=control.val.take(config.eval.control_val_size),
-        control_test=control.test, alphas=alphas, threshold=config.eval.negation_threshold)
-
-  grid = evaluate.disentanglement_grid(config.eval.disentanglement_limit,
-                                       config.eval.disentanglement_points)
-  size = config.eval.disentanglement_size
-  xi = {}
-  for a, b in pairs:
-    logging.info('%s: weight disentanglement of %s and %s on a %dx%d grid', regime, a, b,
-                 len(grid), len(grid))
-    xi[f'{a}:{b}'] = evaluate.disentanglement(
-        evaluator, theta0, (vectors[a], vectors[b]), heads=(heads[a], heads[b]),
-        data=(data[a].test.take(size), data[b].test.take(size)), alphas=grid).tolist()
-
-  results = {'regime': regime, 'tasks': names, 'control_task': suite.CONTROL_TASK,
-             'pretrained': pretrained, 'finetuned': finetuned, 'addition': addition,
-             'negation': negation,
-             'disentanglement': {'alphas': grid, 'xi': xi,
-                                 'mean': float(np.mean(list(xi.values()))) if xi else None}}
-  directory = common.evaluation_dir(workdir, regime)
-  checkpoint.atomic_write_json(os.path.join(directory, 'results.json'), results)
-  checkpoint.atomic_write_bytes(os.path.join(directory, 'report.md'),
-                                report.markdown(results).encode())
-  report.plot_alpha_curves(results, os.path.join(directory, 'alpha_curves.png'))
-  if xi:
-    report.plot_disentanglement(results, os.path.join(directory, 'disentanglement.png'))
-  print(report.table(results))
-  logging.info('%s: mean single-task test accuracy: pretrained %.3f, fine-tuned %.3f', regime,
-               np.mean([pretrained[t] for t in names]),
-               np.mean([finetuned[t]['test'] for t in names]))
-  return results
-
+from configs import quickstart as quickstart_config
+from editing.jobs import cli
+from editing.jobs import evaluate
 
 if __name__ == '__main__':
-  app.run(common.app_main(run))
+  cli.run(evaluate.run, quickstart_config)

@@ -1,113 +1,21 @@
-r"""Fine-tunes θ0 on one task of the suite, in each configured regime, and saves its task vectors.
+r"""Fine-tunes θ0 on one task in each configured regime and saves its task vectors
+(`editing.jobs.finetune`).
 
   python -m launch.finetune --workdir=workdir/quickstart --task=digits \
       [--config.regimes=full,talos] [--config.finetune.steps=200]
   python -m launch.finetune --workdir=workdir/poisoned --task=digits \
       --config.poison.tasks=digits --config.poison.trigger=blended
-
-A task named in `config.poison.tasks` is fine-tuned on its poisoned training set: the same
-loop, other data.
 """
 
-import dataclasses
-import os
+from absl import flags
 
-import jax
-import ml_collections
-import numpy as np
-from absl import app, flags, logging
-
-from editing import checkpoint
-from editing import regimes
-from editing import train
-from editing import tree as tree_lib
+from configs import quickstart as quickstart_config
 from editing.data import suite
-from editing.data import triggers
-from editing.models import head as head_lib
-from editing.task_vector import TaskVector
-from launch import common
-
-
-def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
-        regime: regimes.Regime, directory: str | None = None) -> TaskVector:
-  """Fine-tunes on `task_name` unless its task vector already exists; returns the vector.
-
-  The run lives in `directory` (default <workdir>/finetune/<regime>/<task>); the pretrained
-  backbone and heads are always the workdir's.
-  """
-  directory = directory or common.finetune_dir(workdir, regime.name, task_name)
-  out = os.path.join(directory, common.TASK_VECTOR)
-  theta0, apply_fn = common.load_pretrained(workdir)
-  os.makedirs(directory, exist_ok=True)
-  common.use_compilation_cache(workdir)
-  poisoned = task_name in common.poisoned_tasks(config)
-  settings = {'finetune': config.finetune.to_dict(), 'regime': dataclasses.asdict(regime),
-              'suite': common.suite_settings(config, 'train_size'),
-              'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)}
-  if poisoned:
-    settings['poison'] = {**config.poison.to_dict(), 'tasks': task_name,
-                          config.poison.trigger: config[config.poison.trigger].to_dict()}
-  common.check_job_config(directory, settings)
-  if os.path.exists(out):
-    logging.info('task vector found at %s', out)
-    return checkpoint.load_task_vector(out)[0]
-  task = common.load_task(config, task_name)
-  head = common.head(config, workdir, task, theta0, apply_fn)
-  train_data = task.train
-  if poisoned:
-    train_data = triggers.poison(train_data, common.trigger(config, config.poison.trigger),
-                                 rate=config.poison.rate, target=config.poison.target,
-                                 seed=config.poison.seed)
-    logging.info('poisoned %.0f%% of the %s training set with %s, target %d',
-                 100 * config.poison.rate, task_name, config.poison.trigger,
-                 config.poison.target)
-  encoder = regime.encoder(apply_fn)
-  mask_file = os.path.join(directory, common.UPDATE_MASK)
-  update_mask = _update_mask(config, mask_file, regime, task, theta0, encoder, head)
-  loss_fn = head_lib.frozen_head_loss(encoder, config.head.logit_scale)
-  finetuned = train.train(config.finetune, loss_fn=loss_fn, params=theta0,
-                          trainable=regime.trainable(theta0),
-                          consts={'theta0': theta0, 'head': head}, data=train_data,
-                          workdir=directory, mesh=common.mesh(config),
-                          sharding_rules=config.sharding_rules, update_mask=update_mask)
-  vector = TaskVector.from_params(theta0, finetuned, task=task_name, regime=regime.name)
-  extra = {}
-  if update_mask is not None:
-    extra['update_mask'] = common.UPDATE_MASK
-  if poisoned:
-    extra['poison'] = settings['poison']
-  checkpoint.save_task_vector(out, vector, extra)
-  logging.info('saved the %s task vector of %s to %s', regime.name, task_name, out)
-  return vector
-
-
-def _update_mask(config, path, regime, task, theta0, encoder, head):
-  """The regime's update mask for this task, fitted on its (clean) val split once and kept at
-  `path` beside the task vector; None for a dense regime."""
-  if os.path.exists(path):
-    return tree_lib.flatten(checkpoint.load_tree(path)[0])
-  logits_fn = lambda params, images: head_lib.logits(encoder(theta0, params, images), head,
-                                                     config.head.logit_scale)
-  images, _ = task.val.batch(np.arange(len(task.val)))
-  mask = regime.update_mask(theta0, logits_fn=logits_fn, images=images,
-                            key=jax.random.PRNGKey(config.finetune.seed))
-  if mask is None:
-    return None
-  kept = sum(int(m.sum()) for m in mask.values())
-  total = sum(m.size for m in mask.values())
-  logging.info('%s keeps %d of %d eligible entries (%.1f%%) for %s', regime.name, kept, total,
-               100 * kept / total, task.name)
-  checkpoint.save_tree(path, tree_lib.unflatten(mask), {'regime': regime.name, 'task': task.name})
-  return mask
-
+from editing.jobs import cli
+from editing.jobs import finetune
 
 if __name__ == '__main__':
-  # Defined here, not at import, so that quickstart (which imports this module) has no --task.
-  flags.DEFINE_enum('task', None, suite.DOWNSTREAM_TASKS, 'the task to fine-tune on')
+  task = flags.DEFINE_enum('task', None, suite.DOWNSTREAM_TASKS, 'the task to fine-tune on')
   flags.mark_flag_as_required('task')
-
-  def _finetune_every_regime(config, workdir):
-    for regime in common.configured_regimes(config):
-      run(config, workdir, flags.FLAGS.task, regime)
-
-  app.run(common.app_main(_finetune_every_regime))
+  cli.run(lambda config, workdir: finetune.run_regimes(config, workdir, task.value),
+          quickstart_config)

@@ -1,51 +1,17 @@
 r"""The whole chain on the built-in suite: pretrain (once), fine-tune every task in every
-configured regime, evaluate.
+configured regime, evaluate (`editing.jobs.quickstart`).
 
   pip install -e . && python -m launch.quickstart
   python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos
+  python -m launch.quickstart --config=configs/quickstart.py:tiny --workdir=/tmp/tiny
 
-Finished work in the workdir (pretrained backbone, task vectors) is reused on a rerun, and an
-interrupted fine-tune resumes from its last checkpoint. Prints the addition/negation table and
-writes <workdir>/results.json and report.md (and per regime, <workdir>/evaluation/<regime>/).
+Prints the addition/negation table and writes <workdir>/results.json and report.md (and per
+regime, <workdir>/evaluation/<regime>/).
 """
 
-import time
-
-import ml_collections
-from absl import app, logging
-
-from editing import checkpoint
-from launch import common
-from launch import evaluate
-from launch import finetune
-from launch import pretrain
-
-
-
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  names = common.tasks(config)
-  regimes = common.configured_regimes(config)
-  timings = {}
-  start = time.time()
-  pretrain.run(config, workdir)
-  timings['pretrain'] = time.time() - start
-  for regime in regimes:
-    regime_start = time.time()
-    for i, task in enumerate(names):
-      logging.info('fine-tuning %s in the %s regime (%d/%d)', task, regime.name, i + 1,
-                   len(names))
-      finetune.run(config, workdir, task, regime)
-    timings[f'finetune_{regime.name}'] = time.time() - regime_start
-  timings['finetune'] = time.time() - start - timings['pretrain']
-  results = evaluate.run(config, workdir)
-  timings['evaluate'] = time.time() - start - timings['pretrain'] - timings['finetune']
-  timings['total'] = time.time() - start
-  results['seconds'] = timings
-  checkpoint.atomic_write_json(f'{workdir}/results.json', results)
-  logging.info('quickstart took %.0f s (%s); results in %s', timings['total'],
-               ', '.join(f'{k} {v:.0f} s' for k, v in timings.items()), workdir)
-  return results
-
+from configs import quickstart as quickstart_config
+from editing.jobs import cli
+from editing.jobs import quickstart
 
 if __name__ == '__main__':
-  app.run(common.app_main(run))
+  cli.run(quickstart.run, quickstart_config)

@@ -8,9 +8,12 @@ and whether λ is free (chosen on validation, like task arithmetic's) or the mer
 Shared primitives (trim, elect sign, disjoint mean, drop and rescale) live in `merging.ops`.
 """
 
+import dataclasses
 import functools
-from typing import Callable, NamedTuple
+import inspect
+from typing import Callable
 
+from editing import registry
 from merging import adamerging
 from merging import averaging
 from merging import breadcrumbs
@@ -22,19 +25,41 @@ from merging import regmean
 from merging import task_arithmetic
 from merging import ties
 
-INPUTS = ('key', 'theta0', 'data', 'apply_fn')
+# What a method may read besides the task vectors, passed as keyword arguments: a PRNG key,
+# θ0, the plain model apply_fn(params, images), per-task data (`common.TaskData`), and the
+# true backdoor trigger (only the oracle ablation of DAM reads it).
+INPUTS = ('key', 'theta0', 'apply_fn', 'data', 'trigger')
 
 
-class Method(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Method:
   merge: Callable
-  reads: tuple[str, ...] = ()  # of INPUTS, passed as keyword arguments
+  reads: tuple[str, ...] = ()  # of INPUTS
   scaled: bool = True  # False: applied at λ = 1
   # The split a data-driven method reads: labeled training examples, or the unlabeled test
   # inputs that AdaMerging adapts to (its paper's test-time protocol).
   split: str = 'train'
   refused_regimes: tuple[str, ...] = ()  # regimes whose task vectors it cannot merge
   section: str | None = None  # the config section of its settings, if not its own name
+  # The function whose keyword parameters are the settings, if `merge` forwards **settings.
+  settings_of: Callable | None = None
 
+  def __post_init__(self):
+    unknown = sorted(set(self.reads) - set(INPUTS))
+    if unknown:
+      raise ValueError(f'a merging method reads {unknown}, which are not of {INPUTS}')
+
+  def settings(self) -> dict[str, inspect.Parameter]:
+    """The keyword settings a config section may give: `merge`'s keyword-only parameters
+    (or those of `settings_of`), less the inputs and what a partial already binds."""
+    bound = self.merge.keywords if isinstance(self.merge, functools.partial) else {}
+    parameters = inspect.signature(self.settings_of or self.merge).parameters
+    return {name: p for name, p in parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in INPUTS + tuple(bound)}
+
+
+_LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
+_DAM = dict(_LEARNED, section='dam', settings_of=dam.learn)
 
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
@@ -47,15 +72,17 @@ REGISTRY: dict[str, Method] = {
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
                       refused_regimes=('linearized',)),
     'adamerging_task': Method(functools.partial(adamerging.merge, granularity='task'),
-                              reads=('theta0', 'data', 'key'), scaled=False, split='test'),
+                              **_LEARNED),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),
-                               reads=('theta0', 'data', 'key'), scaled=False, split='test'),
-    'dam': Method(dam.merge, reads=('theta0', 'data', 'key'), scaled=False, split='test'),
+                               **_LEARNED),
+    'dam': Method(dam.merge, **_DAM),
+    # DAM's ablations, with DAM's settings: each mask alone (the other all ones), and both
+    # masks learned against the true trigger instead of a synthesised one.
+    'dam_shared': Method(functools.partial(dam.merge, masks=('shared',)), **_DAM),
+    'dam_safe': Method(functools.partial(dam.merge, masks=('safe',)), **_DAM),
+    'dam_oracle': Method(dam.merge, **dict(_DAM, reads=_DAM['reads'] + ('trigger',))),
 }
 
 
 def get(name: str) -> Method:
-  try:
-    return REGISTRY[name]
-  except KeyError:
-    raise ValueError(f'unknown merging method {name!r}; known: {sorted(REGISTRY)}') from None
+  return registry.lookup(REGISTRY, name, 'merging method')

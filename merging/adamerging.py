@@ -20,18 +20,18 @@ import numpy as np
 import optax
 
 from editing import tree as tree_lib
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 
 GRANULARITIES = ('task', 'layer')
 
 
 class Learned(NamedTuple):
-  coefficients: base.PyTree  # (K,) task-wise, or {path: (K,)} layer-wise
+  coefficients: common.PyTree  # (K,) task-wise, or {path: (K,)} layer-wise
   entropies: list[float]  # the objective at each step, before its update
 
 
-def merged_delta(task_vectors: Sequence[TaskVector], coefficients) -> base.PyTree:
+def merged_delta(task_vectors: Sequence[TaskVector], coefficients) -> common.PyTree:
   """Σ_k λ_k τ_k, with λ_k a scalar (task-wise) or one per leaf (layer-wise)."""
   if isinstance(coefficients, dict):
     return tree_lib.map_with_path(
@@ -47,13 +47,13 @@ def entropy(logits: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.sum(jnp.exp(log_p) * log_p, axis=-1))
 
 
-def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
-          data: Mapping[str, base.TaskData], key: jax.Array, granularity: str = 'task',
+def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
+          data: Mapping[str, common.TaskData], key: jax.Array, granularity: str = 'task',
           steps: int = 100, learning_rate: float = 1e-3, init: float = 0.3,
           batch_size: int = 16) -> Learned:
   """Fits the coefficients; `data[t].images` of every task t of the vectors are the inputs."""
-  base.check(task_vectors, 'adamerging')
-  tasks = {t: base.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
+  check_compatible(task_vectors, 'adamerging')
+  tasks = {t: common.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
   coefficients = initial_coefficients(len(task_vectors), theta0, granularity, init)
   tx, step = _step(tuple((t, d.logits_fn) for t, d in tasks.items()), learning_rate)
   opt_state = tx.init(coefficients)
@@ -68,7 +68,7 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
 
 
 @functools.lru_cache(maxsize=16)
-def _step(logits_fns: tuple[tuple[str, base.LogitsFn], ...], learning_rate: float):
+def _step(logits_fns: tuple[tuple[str, common.LogitsFn], ...], learning_rate: float):
   """(optimizer, jitted step), built once per task set and learning rate so that repeated
   merges reuse one compiled program.
 
@@ -90,8 +90,8 @@ def _step(logits_fns: tuple[tuple[str, base.LogitsFn], ...], learning_rate: floa
   return tx, step
 
 
-def initial_coefficients(count: int, theta0: base.PyTree, granularity: str,
-                         init: float) -> base.PyTree:
+def initial_coefficients(count: int, theta0: common.PyTree, granularity: str,
+                         init: float) -> common.PyTree:
   """λ = init for each of `count` vectors: a (count,) array, or one per leaf of θ0."""
   if granularity not in GRANULARITIES:
     raise ValueError(f'merge coefficient granularity must be one of {GRANULARITIES}, got '
@@ -108,11 +108,11 @@ def batch(images: np.ndarray, size: int, key: jax.Array) -> np.ndarray:
   return images[np.sort(np.asarray(jax.random.permutation(key, len(images))[:size]))]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
-          data: Mapping[str, base.TaskData], key: jax.Array, granularity: str = 'task',
+def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
+          data: Mapping[str, common.TaskData], key: jax.Array, granularity: str = 'task',
           steps: int = 100, learning_rate: float = 1e-3, init: float = 0.3,
           batch_size: int = 16) -> TaskVector:
   """Σ_k λ_k τ_k with the learned coefficients."""
   learned = learn(task_vectors, theta0=theta0, data=data, key=key, granularity=granularity,
                   steps=steps, learning_rate=learning_rate, init=init, batch_size=batch_size)
-  return base.merged(task_vectors, merged_delta(task_vectors, learned.coefficients))
+  return common.merged(task_vectors, merged_delta(task_vectors, learned.coefficients))

@@ -7,11 +7,11 @@ without increasing inference time", ICML 2022. As a task vector, τ_m = (1/T) Σ
 
 from typing import Sequence
 
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 
 
 def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
   """τ_m = mean of the task vectors."""
-  base.check(task_vectors, 'averaging')
-  return base.merged(task_vectors, (1.0 / len(task_vectors) * sum(task_vectors)).delta)
+  check_compatible(task_vectors, 'averaging')
+  return common.merged(task_vectors, (1.0 / len(task_vectors) * sum(task_vectors)).delta)

@@ -14,15 +14,15 @@ chosen on validation.
 
 from typing import Sequence
 
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 from merging import ops
 
 
 def merge(task_vectors: Sequence[TaskVector], *, top: float = 0.01,
           bottom: float = 0.89) -> TaskVector:
   """Σ_t of each vector with its per-leaf magnitude tails dropped."""
-  base.check(task_vectors, 'breadcrumbs')
-  return base.merged(task_vectors, sum(
+  check_compatible(task_vectors, 'breadcrumbs')
+  return common.merged(task_vectors, sum(
       v.replace(delta=ops.where(ops.keep_band(v.delta, top, bottom), v.delta))
       for v in task_vectors).delta)

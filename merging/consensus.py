@@ -1,4 +1,4 @@
-"""TALL masks and Consensus merging: keep what at least k tasks use.
+"""TALL masks and Consensus merging: keep what at least `min_tasks` tasks use.
 
 Wang et al., "Localizing Task Information for Improved Model Merging and Compression",
 ICML 2024. With the multi-task vector τ_MTL = Σ_t τ_t, task t's TALL mask is
@@ -7,7 +7,7 @@ ICML 2024. With the multi-task vector τ_MTL = Σ_t τ_t, task t's TALL mask is
 
 the entries where task t dominates the other tasks' sum. `task_localized` rebuilds each task's
 own vector m_t ⊙ τ_MTL (compression: it needs the task's identity at inference). Consensus
-merging keeps the entries at least k tasks use,
+merging keeps the entries at least k = `min_tasks` tasks use,
 
   τ_m = τ_MTL ⊙ 1[Σ_t m_t ≥ k],
 
@@ -22,14 +22,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 from merging import ops
 
 
 def tall_masks(task_vectors: Sequence[TaskVector], lambdas: Sequence[float]) -> list:
   """m_t = |τ_t| ≥ λ_t |τ_MTL − τ_t| per task."""
-  base.check(task_vectors, 'tall masks')
+  check_compatible(task_vectors, 'tall masks')
   if len(lambdas) != len(task_vectors):
     raise ValueError(f'{len(lambdas)} lambdas for {len(task_vectors)} task vectors')
   total = sum(task_vectors).delta
@@ -45,10 +45,10 @@ def task_localized(task_vectors: Sequence[TaskVector],
   return [v.replace(delta=ops.where(m, total)) for v, m in zip(task_vectors, masks)]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, k: int = 2,
+def merge(task_vectors: Sequence[TaskVector], *, min_tasks: int = 2,
           tall_lambda: float = 0.5) -> TaskVector:
-  """τ_MTL restricted to the entries whose TALL masks agree in at least k tasks."""
+  """τ_MTL restricted to the entries whose TALL masks agree in at least `min_tasks` tasks."""
   masks = tall_masks(task_vectors, [tall_lambda] * len(task_vectors))
   votes = jax.tree.map(lambda *ms: sum(m.astype(jnp.int32) for m in ms), *masks)
-  keep = jax.tree.map(lambda v: v >= k, votes)
-  return base.merged(task_vectors, ops.where(keep, sum(task_vectors).delta))
+  keep = jax.tree.map(lambda v: v >= min_tasks, votes)
+  return common.merged(task_vectors, ops.where(keep, sum(task_vectors).delta))

@@ -48,16 +48,16 @@ import numpy as np
 import optax
 
 from editing import tree as tree_lib
-from editing.task_vector import TaskVector
+from editing.task_vector import TaskVector, check_compatible
 from merging import adamerging
-from merging import base
+from merging import common
 
 MASKS = ('shared', 'safe')
 
 
 class Learned(NamedTuple):
-  coefficients: base.PyTree  # λ after the refit, as adamerging.Learned's
-  masks: dict[str, base.PyTree]  # name -> the final deterministic, rescaled mask
+  coefficients: common.PyTree  # λ after the refit, as adamerging.Learned's
+  masks: dict[str, common.PyTree]  # name -> the final deterministic, rescaled mask
   perturbations: dict[str, jax.Array]  # task -> its synthesised trigger δ (if one was learned)
   objectives: list[dict[str, float]]  # per iteration, the losses before its updates
 
@@ -74,7 +74,7 @@ def rescaled(mask: jax.Array) -> jax.Array:
   return jnp.where(mean > 0, mask / jnp.where(mean > 0, mean, 1.0), 0.0)
 
 
-def sampled_mask(logits: base.PyTree, key: jax.Array, temperature: float) -> base.PyTree:
+def sampled_mask(logits: common.PyTree, key: jax.Array, temperature: float) -> common.PyTree:
   """A rescaled Concrete sample of every leaf, each leaf's noise keyed by its path."""
   def sample(path, logit):
     return rescaled(concrete(logit, jax.random.fold_in(key, tree_lib.stable_hash(path)),
@@ -83,18 +83,18 @@ def sampled_mask(logits: base.PyTree, key: jax.Array, temperature: float) -> bas
   return tree_lib.map_with_path(sample, logits)
 
 
-def final_mask(logits: base.PyTree) -> base.PyTree:
+def final_mask(logits: common.PyTree) -> common.PyTree:
   """The deterministic mask: the expectation σ(ℓ), rescaled per tensor."""
   return jax.tree.map(lambda logit: rescaled(jax.nn.sigmoid(logit)), logits)
 
 
-def masked(task_vectors: Sequence[TaskVector], mask: base.PyTree) -> list[TaskVector]:
+def masked(task_vectors: Sequence[TaskVector], mask: common.PyTree) -> list[TaskVector]:
   return [TaskVector(jax.tree.map(jnp.multiply, mask, v.delta), v.tasks, v.regime, v.base)
           for v in task_vectors]
 
 
-def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
-          data: Mapping[str, base.TaskData], key: jax.Array, masks: Sequence[str] = MASKS,
+def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
+          data: Mapping[str, common.TaskData], key: jax.Array, masks: Sequence[str] = MASKS,
           trigger: Callable[[np.ndarray], np.ndarray] | None = None, granularity: str = 'task',
           steps: int = 100, refit_steps: int = 100, learning_rate: float = 1e-3,
           mask_learning_rate: float = 0.02, mask_init: float = 0.0, temperature: float = 0.5,
@@ -117,11 +117,11 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
     bound, perturbation_step: ε of ‖δ‖_∞ and the size of each signed-gradient step on δ.
     safety_weight: α, the weight of the safe loss in the backdoor-detection mask's step.
   """
-  base.check(task_vectors, 'dam')
+  check_compatible(task_vectors, 'dam')
   unknown = sorted(set(masks) - set(MASKS))
   if unknown:
     raise ValueError(f'dam: unknown mask(s) {unknown}; known: {MASKS}')
-  tasks = {t: base.task_of(v, data, 'dam') for v in task_vectors for t in v.tasks}
+  tasks = {t: common.task_of(v, data, 'dam') for v in task_vectors for t in v.tasks}
   learned_masks, perturbations, objectives = {}, {}, []
   if masks:
     learned_masks, perturbations, objectives = _learn_masks(
@@ -250,12 +250,12 @@ def _step(logits_fns, masks, learning_rate, mask_learning_rate, temperature, bou
   return lambda_tx, mask_tx, step
 
 
-def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
-          data: Mapping[str, base.TaskData], key: jax.Array, **settings) -> TaskVector:
+def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
+          data: Mapping[str, common.TaskData], key: jax.Array, **settings) -> TaskVector:
   """Σ_k λ_k (M_s ⊙ M_b ⊙ τ_k) with the learned masks and refitted coefficients; `settings`
   are `learn`'s."""
   learned = learn(task_vectors, theta0=theta0, data=data, key=key, **settings)
   vectors = list(task_vectors)
   for mask in learned.masks.values():
     vectors = masked(vectors, mask)
-  return base.merged(task_vectors, adamerging.merged_delta(vectors, learned.coefficients))
+  return common.merged(task_vectors, adamerging.merged_delta(vectors, learned.coefficients))

@@ -17,8 +17,7 @@ from typing import Sequence
 import jax
 
 from editing import tree as tree_lib
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
 from merging import ops
 from merging import task_arithmetic
 from merging import ties
@@ -34,12 +33,13 @@ def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array) -> list[T
 
 
 def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float = 0.5,
-          then: str = 'task_arithmetic', k: float = 0.2, scope: str = 'global') -> TaskVector:
-  """DARE followed by `then` ('task_arithmetic' or 'ties', which reads k and scope)."""
-  base.check(task_vectors, 'dare')
+          then: str = 'task_arithmetic', density: float = 0.2,
+          scope: str = 'global') -> TaskVector:
+  """DARE followed by `then` ('task_arithmetic' or 'ties', which reads density and scope)."""
+  check_compatible(task_vectors, 'dare')
   dropped = drop(task_vectors, p, key)
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped)
   if then == 'ties':
-    return ties.merge(dropped, k=k, scope=scope)
+    return ties.merge(dropped, density=density, scope=scope)
   raise ValueError(f'dare: then must be one of {BASE_MERGES}, got {then!r}')

@@ -18,12 +18,12 @@ import numpy as np
 
 from editing import gradients
 from editing import tree as tree_lib
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 
 
-def diagonal_fisher(logits_fn: base.LogitsFn, params: base.PyTree, images: np.ndarray,
-                    labels: np.ndarray, batch_size: int = 32) -> base.PyTree:
+def diagonal_fisher(logits_fn: common.LogitsFn, params: common.PyTree, images: np.ndarray,
+                    labels: np.ndarray, batch_size: int = 32) -> common.PyTree:
   """F = mean_i (∂ log softmax(f(x_i))_{y_i} / ∂θ)², a params-shaped tree."""
 
   def log_likelihood(params, image, label, _):
@@ -34,9 +34,9 @@ def diagonal_fisher(logits_fn: base.LogitsFn, params: base.PyTree, images: np.nd
   return tree_lib.unflatten({p: s / len(images) for p, s in sums.items()})
 
 
-def combine(task_vectors: Sequence[TaskVector], fishers: Sequence[base.PyTree]) -> TaskVector:
+def combine(task_vectors: Sequence[TaskVector], fishers: Sequence[common.PyTree]) -> TaskVector:
   """τ_m = Σ_t F_t ⊙ τ_t / Σ_t F_t (the plain mean where Σ_t F_t = 0); jit-able."""
-  base.check(task_vectors, 'fisher')
+  check_compatible(task_vectors, 'fisher')
 
   def weighted(*pairs):
     deltas, weights = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
@@ -45,17 +45,17 @@ def combine(task_vectors: Sequence[TaskVector], fishers: Sequence[base.PyTree]) 
     safe = jnp.where(total > 0, total, 1.0)
     return jnp.where(total > 0, sum(w * d for w, d in zip(weights, deltas)) / safe, mean)
 
-  return base.merged(task_vectors, jax.tree.map(weighted, *[v.delta for v in task_vectors],
+  return common.merged(task_vectors, jax.tree.map(weighted, *[v.delta for v in task_vectors],
                                                 *fishers))
 
 
-def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree,
-          data: Mapping[str, base.TaskData], batch_size: int = 32) -> TaskVector:
+def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
+          data: Mapping[str, common.TaskData], batch_size: int = 32) -> TaskVector:
   """Fisher merging; each task's Fisher is taken at θ0 + τ_t on its labeled `data`."""
-  base.check(task_vectors, 'fisher')
+  check_compatible(task_vectors, 'fisher')
   fishers = []
   for vector in task_vectors:
-    task = base.task_of(vector, data, 'fisher')
+    task = common.task_of(vector, data, 'fisher')
     if task.labels is None:
       raise ValueError(f'fisher needs labeled data for task {vector.tasks[0]}')
     fishers.append(diagonal_fisher(task.logits_fn, vector.apply_to(theta0), task.images,

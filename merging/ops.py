@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from editing import tree as tree_lib
 
 PyTree = Any
-SCOPES = ('tensor', 'global')
+SCOPES = tree_lib.SCOPES
 
 
 def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree:
@@ -19,45 +19,21 @@ def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree
   ranks the whole tree at once (as the TIES paper and FusionBench do). Ties go to the earlier
   entry (path order, then row-major), so the count is exact.
   """
-  if scope not in SCOPES:
-    raise ValueError(f'scope must be one of {SCOPES}, got {scope!r}')
   if not 0 < density <= 1:
     raise ValueError(f'density must be in (0, 1], got {density}')
-  if scope == 'tensor':
-    return jax.tree.map(lambda d: _keep_largest_flat(jnp.abs(d).ravel(), density).reshape(d.shape),
-                        delta)
-  leaves, treedef = jax.tree.flatten(delta)
-  kept = _keep_largest_flat(jnp.concatenate([jnp.abs(d).ravel() for d in leaves]), density)
-  pieces = jnp.split(kept, _offsets(leaves))
-  return jax.tree.unflatten(treedef, [p.reshape(d.shape) for p, d in zip(pieces, leaves)])
-
-
-def _keep_largest_flat(magnitudes: jax.Array, density: float) -> jax.Array:
-  count = max(1, int(density * magnitudes.size))
-  order = jnp.argsort(-magnitudes, stable=True)
-  return jnp.zeros(magnitudes.shape, bool).at[order[:count]].set(True)
-
-
-def _offsets(leaves) -> list[int]:
-  offsets, total = [], 0
-  for leaf in leaves[:-1]:
-    total += leaf.size
-    offsets.append(total)
-  return offsets
+  return tree_lib.top_k(jax.tree.map(jnp.abs, delta), lambda n: max(1, int(density * n)), scope)
 
 
 def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
   """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
   if top < 0 or bottom < 0 or top + bottom >= 1:
     raise ValueError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
-
-  def band(d):
-    n = d.size
-    rank = jnp.empty(n, jnp.int32).at[jnp.argsort(jnp.abs(d).ravel(), stable=True)].set(
-        jnp.arange(n, dtype=jnp.int32))
-    return ((rank >= int(bottom * n)) & (rank < n - int(top * n))).reshape(d.shape)
-
-  return jax.tree.map(band, delta)
+  magnitudes = jax.tree.map(jnp.abs, delta)
+  # One ranking for both cuts (ties to the earlier entry), so the largest are a subset of the
+  # not-smallest and exactly the band between them remains.
+  not_smallest = tree_lib.top_k(magnitudes, lambda n: n - int(bottom * n), 'tensor')
+  largest = tree_lib.top_k(magnitudes, lambda n: int(top * n), 'tensor')
+  return jax.tree.map(lambda keep, drop: keep & ~drop, not_smallest, largest)
 
 
 def where(mask: PyTree, delta: PyTree) -> PyTree:

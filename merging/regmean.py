@@ -23,14 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import batching
 from editing import tree as tree_lib
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 
 ApplyFn = Callable[[Any, jax.Array], Any]  # the plain model: apply_fn(params, images)
 
 
-def gram_matrices(apply_fn: ApplyFn, params: base.PyTree, images: np.ndarray,
+def gram_matrices(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray,
                   batch_size: int = 64) -> dict[str, np.ndarray]:
   """{kernel path: Σ xᵀx over the inputs x of that linear layer}, for every Dense layer."""
 
@@ -52,12 +53,9 @@ def gram_matrices(apply_fn: ApplyFn, params: base.PyTree, images: np.ndarray,
 
   grams_of_batch = jax.jit(grams_of_batch)
   totals: dict[str, np.ndarray] = {}
-  for start in range(0, len(images), batch_size):
-    count = min(batch_size, len(images) - start)
-    chunk = np.zeros((batch_size,) + images.shape[1:], images.dtype)
-    chunk[:count] = images[start:start + count]
-    weights = (np.arange(batch_size) < count).astype(np.float32)
-    for path, gram in jax.device_get(grams_of_batch(params, chunk, weights)).items():
+  for batch in batching.padded_batches([images], batch_size):
+    for path, gram in jax.device_get(grams_of_batch(params, *batch.arrays,
+                                                    batch.weights)).items():
       totals[path] = totals.get(path, 0.0) + gram.astype(np.float64)
   return totals
 
@@ -70,10 +68,10 @@ def _fan_in(kernel_shape, input_shape) -> int:
   raise ValueError(f'kernel {kernel_shape} does not contract inputs {input_shape}')
 
 
-def combine(task_vectors: Sequence[TaskVector], theta0: base.PyTree,
+def combine(task_vectors: Sequence[TaskVector], theta0: common.PyTree,
             grams: Sequence[Mapping[str, np.ndarray]], alpha: float = 0.9) -> TaskVector:
   """The RegMean vector from each task's Grams (same keys for every task); jit-able."""
-  base.check(task_vectors, 'regmean')
+  check_compatible(task_vectors, 'regmean')
   if not 0 <= alpha <= 1:
     raise ValueError(f'regmean alpha must be in [0, 1], got {alpha}')
   flat0 = tree_lib.flatten(theta0)
@@ -89,17 +87,17 @@ def combine(task_vectors: Sequence[TaskVector], theta0: base.PyTree,
     weights = [(w0 + d[path]).reshape(fan_in, -1) for d in deltas]
     solved = jnp.linalg.solve(sum(shrunk), sum(g @ w for g, w in zip(shrunk, weights)))
     merged[path] = solved.reshape(w0.shape) - w0
-  return base.merged(task_vectors, tree_lib.unflatten(merged))
+  return common.merged(task_vectors, tree_lib.unflatten(merged))
 
 
-def merge(task_vectors: Sequence[TaskVector], *, theta0: base.PyTree, apply_fn: ApplyFn,
-          data: Mapping[str, base.TaskData], alpha: float = 0.9,
+def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn: ApplyFn,
+          data: Mapping[str, common.TaskData], alpha: float = 0.9,
           batch_size: int = 64) -> TaskVector:
   """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
-  base.check(task_vectors, 'regmean')
+  check_compatible(task_vectors, 'regmean')
   if task_vectors[0].regime == 'linearized':
     raise ValueError('regmean merges layer by layer through the model itself; linearized task '
                      'vectors act through the tangent model, which has no such layers')
-  grams = [gram_matrices(apply_fn, v.apply_to(theta0), base.task_of(v, data, 'regmean').images,
+  grams = [gram_matrices(apply_fn, v.apply_to(theta0), common.task_of(v, data, 'regmean').images,
                          batch_size) for v in task_vectors]
   return combine(task_vectors, theta0, grams, alpha)

@@ -6,11 +6,11 @@ the merge: it is chosen on validation data (`editing.evaluate.task_addition`).
 
 from typing import Sequence
 
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 
 
 def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
   """The sum of the task vectors; they must share regime, base and tree structure."""
-  base.check(task_vectors, 'task arithmetic')
-  return base.merged(task_vectors, sum(task_vectors).delta)
+  check_compatible(task_vectors, 'task arithmetic')
+  return common.merged(task_vectors, sum(task_vectors).delta)

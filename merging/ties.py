@@ -5,29 +5,29 @@ Yadav et al., "TIES-Merging: Resolving Interference When Merging Models", NeurIP
   τ̂_t = τ_t ⊙ top_k(|τ_t|),   γ = sgn(Σ_t τ̂_t),
   τ_m[j] = Σ_{t: sgn τ̂_t[j] = γ[j]} τ̂_t[j] / |{t: sgn τ̂_t[j] = γ[j], τ̂_t[j] ≠ 0}|.
 
-`k` is the kept share of magnitudes (paper default 20%). `scope` decides what "top k" ranks:
-'global' (default) ranks each task vector as a whole, as the paper describes and FusionBench
-implements; 'tensor' ranks every leaf on its own, as mergekit does. Ties in magnitude go to the
-earlier entry; a zero sign sum elects +1 and the mean divides by the agreeing non-zero entries
-(both as in mergekit). The paper's merge is a disjoint *mean* (FusionBench defaults to a sum);
-λ is chosen on validation.
+`density` is the kept share of magnitudes, the paper's k (default 20%). `scope` decides what
+"top k" ranks: 'global' (default) ranks each task vector as a whole, as the paper describes and
+FusionBench implements; 'tensor' ranks every leaf on its own, as mergekit does. Ties in
+magnitude go to the earlier entry; a zero sign sum elects +1 and the mean divides by the
+agreeing non-zero entries (both as in mergekit). The paper's merge is a disjoint *mean*
+(FusionBench defaults to a sum); λ is chosen on validation.
 """
 
 from typing import Sequence
 
-from editing.task_vector import TaskVector
-from merging import base
+from editing.task_vector import TaskVector, check_compatible
+from merging import common
 from merging import ops
 
 
-def trim(task_vectors: Sequence[TaskVector], k: float, scope: str) -> list:
-  """τ̂_t: each vector's deltas with all but its top-k magnitudes zeroed."""
-  return [ops.where(ops.keep_largest(v.delta, k, scope), v.delta) for v in task_vectors]
+def trim(task_vectors: Sequence[TaskVector], density: float, scope: str) -> list:
+  """τ̂_t: each vector's deltas with all but its top-`density` magnitudes zeroed."""
+  return [ops.where(ops.keep_largest(v.delta, density, scope), v.delta) for v in task_vectors]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, k: float = 0.2,
+def merge(task_vectors: Sequence[TaskVector], *, density: float = 0.2,
           scope: str = 'global') -> TaskVector:
   """The TIES merge τ_m of the task vectors (before λ)."""
-  base.check(task_vectors, 'ties')
-  trimmed = trim(task_vectors, k, scope)
-  return base.merged(task_vectors, ops.disjoint_mean(trimmed, ops.elect_sign(trimmed)))
+  check_compatible(task_vectors, 'ties')
+  trimmed = trim(task_vectors, density, scope)
+  return common.merged(task_vectors, ops.disjoint_mean(trimmed, ops.elect_sign(trimmed)))

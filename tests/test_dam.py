@@ -8,7 +8,7 @@ import pytest
 
 from editing.task_vector import TaskVector
 from merging import adamerging
-from merging import base
+from merging import common
 from merging import dam
 
 CLASSES = 6
@@ -52,7 +52,7 @@ def toy(seed=0, n=60):
     images = np.zeros((n, PIXELS), np.float32)
     images[:, CLEAN] = rng.uniform(0.0, 0.3, size=(n, CLASSES))
     images[np.arange(n), labels] = rng.uniform(0.6, 1.0, size=n)
-    data[task] = base.TaskData(logits_fn, images)
+    data[task] = common.TaskData(logits_fn, images)
   return theta0, vectors, data
 
 
@@ -104,7 +104,7 @@ def test_the_backdoor_detection_mask_drops_the_planted_rows_and_keeps_the_inert_
 
 def test_no_label_is_read_and_a_key_repeats_bit_for_bit():
   theta0, vectors, data = toy()
-  garbage = {t: base.TaskData(d.logits_fn, d.images, np.full(len(d.images), -12345))
+  garbage = {t: common.TaskData(d.logits_fn, d.images, np.full(len(d.images), -12345))
              for t, d in data.items()}
   settings = dict(theta0=theta0, steps=3, refit_steps=2, granularity='layer')
   first = dam.merge(vectors, data=data, key=jax.random.PRNGKey(1), **settings)

@@ -12,8 +12,9 @@ import merging
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector
 from merging import adamerging
-from merging import base
+from merging import common
 from merging import consensus
+from merging import dam
 from merging import dare
 from merging import fisher
 from merging import ops
@@ -50,15 +51,21 @@ def random_vectors(seed=0, scale=0.1, tasks=TASKS, regime='full'):
 
 def task_data(labels=True, n=24):
   rng = np.random.default_rng(0)
-  return {t: base.TaskData(APPLY, rng.normal(size=(n, 4)).astype(np.float32),
+  return {t: common.TaskData(APPLY, rng.normal(size=(n, 4)).astype(np.float32),
                            rng.integers(0, 3, n).astype(np.int32) if labels else None)
           for t in TASKS}
 
 
-INPUTS = {'key': jax.random.PRNGKey(7), 'theta0': THETA0, 'apply_fn': APPLY}
-# Fast settings per method; AdaMerging takes few steps here.
+def trigger(x):
+  """A toy trigger for the oracle: the last input feature set high."""
+  return np.concatenate([x[:, :-1], np.full_like(x[:, -1:], 3.0)], axis=-1)
+
+
+INPUTS = {'key': jax.random.PRNGKey(7), 'theta0': THETA0, 'apply_fn': APPLY, 'trigger': trigger}
+# Fast settings per method; AdaMerging and DAM take few steps here.
+_DAM = dict(steps=2, refit_steps=2)
 SETTINGS = {'adamerging_task': dict(steps=3), 'adamerging_layer': dict(steps=3),
-            'dam': dict(steps=2, refit_steps=2),
+            'dam': _DAM, 'dam_shared': _DAM, 'dam_safe': _DAM, 'dam_oracle': _DAM,
             'fisher': dict(batch_size=8), 'regmean': dict(batch_size=8)}
 
 
@@ -102,7 +109,7 @@ def single_vector_output(name, vector):
     return flat(dare.drop([vector], 0.5, INPUTS['key'])[0].delta)
   if name == 'breadcrumbs':
     return flat(ops.where(ops.keep_band(vector.delta, 0.01, 0.89), vector.delta))
-  if name == 'consensus':  # no entry is used by k = 2 tasks
+  if name == 'consensus':  # no entry is used by min_tasks = 2 tasks
     return {k: np.zeros_like(v) for k, v in tau.items()}
   raise AssertionError(name)
 
@@ -110,17 +117,26 @@ def single_vector_output(name, vector):
 @pytest.mark.parametrize('name', sorted(merging.REGISTRY))
 def test_one_task_vector_in_gives_the_documented_output(name):
   vector = random_vectors(tasks=('t0',))[0]
-  merged = flat(run(name, [vector]).delta)
+  data = task_data()
+  merged = flat(run(name, [vector], data).delta)
   if name.startswith('adamerging'):
     # λ·τ with λ learned: a multiple of τ, per vector or per leaf.
     for path, value in flat(vector.delta).items():
       ratio = merged[path].ravel()[0] / value.ravel()[0]
       np.testing.assert_allclose(merged[path], ratio * value, rtol=1e-5, err_msg=path)
     return
-  if name == 'dam':
-    # λ·M_s⊙M_b⊙τ: each entry scaled by its own positive factor (masks are expectations).
+  if name.startswith('dam'):
+    # λ·M_s⊙M_b⊙τ, with the masks and λ that DAM learns from the same inputs and key.
+    method = merging.get(name)
+    inputs = dict(INPUTS, data=data)
+    learned = dam.learn([vector], **{k: inputs[k] for k in method.reads},
+                        **getattr(method.merge, 'keywords', {}), **SETTINGS[name])
+    masks = [flat(m) for m in learned.masks.values()]
+    assert len(masks) == {'dam_shared': 1, 'dam_safe': 1}.get(name, 2)
     for path, value in flat(vector.delta).items():
-      assert np.all(merged[path] / value > 0), path
+      factor = float(learned.coefficients[0]) * np.prod([m[path] for m in masks], axis=0)
+      np.testing.assert_allclose(merged[path], factor * value, rtol=1e-5, err_msg=path)
+      assert np.any(factor != factor.flat[0]), f'{path}: masks that learned nothing'
     return
   expected = single_vector_output(name, vector)
   for path in expected:
@@ -136,12 +152,13 @@ def test_mismatched_trees_are_refused_naming_the_path(name):
       vectors[1].delta)
   with pytest.raises(ValueError, match='out/kernel'):
     run(name, [vectors[0], vectors[1].replace(delta=bad)])
-  with pytest.raises(ValueError, match='cannot be merged'):
+  with pytest.raises(ValueError, match='different regimes'):
     run(name, [vectors[0], vectors[1].replace(regime='linearized')])
 
 
-DATA_FREE = {'averaging': {}, 'task_arithmetic': {}, 'ties': dict(k=0.3, scope='tensor'),
-             'breadcrumbs': dict(top=0.1, bottom=0.5), 'consensus': dict(k=2)}
+DATA_FREE = {'averaging': {}, 'task_arithmetic': {},
+             'ties': dict(density=0.3, scope='tensor'), 'breadcrumbs': dict(top=0.1, bottom=0.5),
+             'consensus': dict(min_tasks=2)}
 
 
 @pytest.mark.parametrize('name', sorted(DATA_FREE))
@@ -160,10 +177,15 @@ def test_dare_and_the_closed_forms_jit():
   for path, value in flat(dare.merge(vectors, key=key, p=0.3).delta).items():
     np.testing.assert_allclose(flat(jitted.delta)[path], value, rtol=1e-6, err_msg=path)
   fishers = [jax.tree.map(jnp.abs, v.delta) for v in random_vectors(seed=1)]
-  jax.jit(fisher.combine)(vectors, fishers)
+  eager = flat(fisher.combine(vectors, fishers).delta)
+  for path, value in flat(jax.jit(fisher.combine)(vectors, fishers).delta).items():
+    np.testing.assert_allclose(value, eager[path], rtol=1e-6, atol=1e-7, err_msg=path)
   grams = [regmean.gram_matrices(APPLY, v.apply_to(THETA0), task_data()['t0'].images, 8)
            for v in vectors]
-  jax.jit(functools.partial(regmean.combine, alpha=0.9))(vectors, THETA0, grams)
+  combine = functools.partial(regmean.combine, alpha=0.9)
+  eager = flat(combine(vectors, THETA0, grams).delta)
+  for path, value in flat(jax.jit(combine)(vectors, THETA0, grams).delta).items():
+    np.testing.assert_allclose(value, eager[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def ties_reference(deltas, k, scope):
@@ -206,7 +228,7 @@ def ties_reference(deltas, k, scope):
 def test_ties_equals_a_plain_numpy_reference(scope, k):
   vectors = random_vectors(seed=3)
   expected = ties_reference([flat(v.delta) for v in vectors], k, scope)
-  merged = flat(ties.merge(vectors, k=k, scope=scope).delta)
+  merged = flat(ties.merge(vectors, density=k, scope=scope).delta)
   for path in expected:
     np.testing.assert_allclose(merged[path], expected[path], rtol=1e-6, atol=1e-7,
                                err_msg=path)
@@ -215,7 +237,7 @@ def test_ties_equals_a_plain_numpy_reference(scope, k):
 def test_ties_at_full_density_with_agreeing_signs_is_the_mean():
   vectors = [v.replace(delta=jax.tree.map(lambda d: jnp.abs(d) + 0.01, v.delta))
              for v in random_vectors()]
-  merged = flat(ties.merge(vectors, k=1.0, scope='global').delta)
+  merged = flat(ties.merge(vectors, density=1.0, scope='global').delta)
   mean = flat((1 / 3 * sum(vectors)).delta)
   for path in mean:
     np.testing.assert_allclose(merged[path], mean[path], rtol=1e-6, err_msg=path)
@@ -302,7 +324,7 @@ def test_consensus_keeps_entries_that_enough_tall_masks_share():
   np.testing.assert_array_equal(np.stack([m['w'] for m in masks]),
                                 [[True, True, False, True], [True, False, True, True],
                                  [False, False, False, True]])
-  merged = consensus.merge(vectors, k=2, tall_lambda=0.5).delta['w']
+  merged = consensus.merge(vectors, min_tasks=2, tall_lambda=0.5).delta['w']
   np.testing.assert_allclose(merged, [2.9, 0.0, 0.0, 0.1], rtol=1e-6)
   localized = consensus.task_localized(vectors, [0.5] * 3)
   np.testing.assert_allclose(localized[2].delta['w'], [0.0, 0.0, 0.0, 0.1], rtol=1e-6)
@@ -323,7 +345,7 @@ def test_fisher_takes_each_entry_from_the_tasks_that_depend_on_it():
   for i, t in enumerate(TASKS[:2]):
     x = np.zeros((n, 4), np.float32)
     x[:, i] = rng.normal(size=n)
-    data[t] = base.TaskData(APPLY, x, rng.integers(0, 3, n).astype(np.int32))
+    data[t] = common.TaskData(APPLY, x, rng.integers(0, 3, n).astype(np.int32))
   vectors = random_vectors(tasks=TASKS[:2])
   merged = fisher.merge(vectors, theta0=THETA0, data=data, batch_size=8).delta
   for row, vector in enumerate(vectors):
@@ -340,7 +362,7 @@ def test_regmean_on_one_linear_layer_is_the_least_squares_merge():
             for i, t in enumerate(TASKS)}
   vectors = [TaskVector({'kernel': jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}, (t,),
                         'full', 'b') for t in TASKS]
-  data = {t: base.TaskData(apply_fn, inputs[t]) for t in TASKS}
+  data = {t: common.TaskData(apply_fn, inputs[t]) for t in TASKS}
   merged = regmean.merge(vectors, theta0=theta0, apply_fn=apply_fn, data=data, alpha=1.0)
   stacked_x = np.concatenate([inputs[t] for t in TASKS]).astype(np.float64)
   stacked_y = np.concatenate([inputs[t] @ (np.asarray(theta0['kernel']) + np.asarray(
@@ -370,7 +392,7 @@ def toy_adamerging_problem():
 
 def test_adamerging_moves_towards_the_lowest_entropy_and_lowers_it():
   theta0, vector, logits_fn, x = toy_adamerging_problem()
-  learned = adamerging.learn([vector], theta0=theta0, data={'t0': base.TaskData(logits_fn, x)},
+  learned = adamerging.learn([vector], theta0=theta0, data={'t0': common.TaskData(logits_fn, x)},
                              key=jax.random.PRNGKey(0), steps=60, learning_rate=0.05)
   assert abs(float(learned.coefficients[0]) - 1.0) < 0.15
   assert learned.entropies[-1] < 0.75 * learned.entropies[0]
@@ -381,7 +403,7 @@ def test_adamerging_reads_no_label():
   results = []
   for labels in (None, np.full(len(x), -12345, np.int32)):
     learned = adamerging.learn([vector], theta0=theta0,
-                               data={'t0': base.TaskData(logits_fn, x, labels)},
+                               data={'t0': common.TaskData(logits_fn, x, labels)},
                                key=jax.random.PRNGKey(0), steps=5, learning_rate=0.05,
                                granularity='layer')
     results.append(np.asarray(learned.coefficients['w']))

@@ -4,20 +4,22 @@ import json
 import os
 import shutil
 
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from configs import merge as merge_config
 from configs import quickstart as quickstart_config
-from configs import safety as safety_config
 from editing import checkpoint
 from editing import tree as tree_lib
-from launch import common
-from launch import finetune
-from launch import merge
-from launch import quickstart
-from launch import safety
+from editing.jobs import experiment
+from editing.jobs import finetune
+from editing.jobs import quickstart
+from editing.jobs import workdir as workdir_lib
+from merging.jobs import merge
+from merging.jobs import safety
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope='module', name='tiny_run')
@@ -34,25 +36,19 @@ PNG = b'\x89PNG\r\n\x1a\n'
 
 def test_quickstart_writes_results_reports_and_plots_for_every_regime(tiny_run):
   config, workdir, results = tiny_run
-  tasks = common.tasks(config)
+  tasks = experiment.tasks(config)
   with open(os.path.join(workdir, 'results.json')) as f:
     saved = json.load(f)
   assert saved['tasks'] == tasks and tuple(saved['regimes']) == REGIMES
   assert set(saved['seconds']) >= {'pretrain', 'finetune_full', 'finetune_talos', 'total'}
   comparison = open(os.path.join(workdir, 'report.md')).read()
   for regime in REGIMES:
-    result = saved['regimes'][regime]
-    assert 0 <= result['addition']['alpha'] <= 1
     for t in tasks:
-      assert 0 <= result['addition']['test'][t] <= 1
-      assert 0 <= result['negation'][t]['target_test'] <= 1
-      assert os.path.exists(common.task_vector_file(workdir, regime, t))
-    xi = result['disentanglement']
-    assert list(xi['xi']) == ['digits:colour'] and 0 <= xi['mean'] <= 2
-    assert np.shape(xi['xi']['digits:colour']) == (3, 3)
-    directory = common.evaluation_dir(workdir, regime)
+      assert os.path.exists(workdir_lib.task_vector_file(workdir, regime, t))
+    directory = workdir_lib.evaluation_dir(workdir, regime)
     report = open(os.path.join(directory, 'report.md')).read()
     assert all(f'| {t} |' in report for t in tasks) and '| mean |' in report
+    assert f'keeps ≥ {100 * config.eval.negation_threshold:g}% of its pretrained' in report
     for plot in ('alpha_curves.png', 'disentanglement.png'):
       with open(os.path.join(directory, plot), 'rb') as f:
         assert f.read(8) == PNG, plot
@@ -60,30 +56,68 @@ def test_quickstart_writes_results_reports_and_plots_for_every_regime(tiny_run):
   assert results['regimes']['full']['addition'] == saved['regimes']['full']['addition']
 
 
+@pytest.mark.parametrize('regime', REGIMES)
+def test_quickstart_results_follow_the_protocols(tiny_run, regime):
+  """What each number must be, recomputed from the saved task vectors and the curves."""
+  config, workdir, results = tiny_run
+  result = results['regimes'][regime]
+  tasks = result['tasks']
+  # Addition: α is the first best of the validation curve, and its test accuracies are what a
+  # fresh evaluator measures there on the saved vectors.
+  addition = result['addition']
+  best = max(addition['curve'], key=lambda p: p['normalized_val'])
+  assert addition['alpha'] == best['alpha']
+  theta0, apply_fn = experiment.load_pretrained(workdir)
+  evaluator = experiment.evaluator(config, apply_fn, regime)
+  vectors = [checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, regime, t))[0]
+             for t in tasks]
+  params = evaluator.edit(theta0, sum(vectors), addition['alpha'])
+  for t in tasks:
+    task = experiment.load_task(config, t)
+    head = experiment.head(config, workdir, task, theta0, apply_fn)
+    assert addition['test'][t] == evaluator.accuracy(theta0, params, head, task.test)
+    assert addition['normalized_test'][t] == pytest.approx(
+        addition['test'][t] / result['finetuned'][t]['test'])
+  # Negation: the least target accuracy among the α that keep the control's floor.
+  for t in tasks:
+    negation = result['negation'][t]
+    floor = config.eval.negation_threshold * negation['curve'][0]['control_val']
+    feasible = [p for p in negation['curve'] if p['control_val'] >= floor]
+    chosen = next(p for p in negation['curve'] if p['alpha'] == negation['alpha'])
+    assert chosen in feasible
+    assert chosen['target_val'] == min(p['target_val'] for p in feasible)
+  # ξ(0, 0) compares θ0 with itself: exactly 0.
+  xi = result['disentanglement']
+  assert list(xi['xi']) == ['digits:colour'] and xi['alphas'] == [-2.0, 0.0, 2.0]
+  assert xi['xi']['digits:colour'][1][1] == 0.0
+  assert xi['mean'] == pytest.approx(np.mean(xi['xi']['digits:colour']))
+
+
 def test_talos_masks_are_saved_with_their_task_vectors(tiny_run):
   config, workdir, _ = tiny_run
-  for t in common.tasks(config):
-    mask_file = common.update_mask_file(workdir, 'talos', t)
-    _, meta = checkpoint.load_task_vector(common.task_vector_file(workdir, 'talos', t))
+  for t in experiment.tasks(config):
+    mask_file = workdir_lib.update_mask_file(workdir, 'talos', t)
+    _, meta = checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, 'talos', t))
     assert meta['update_mask'] == os.path.basename(mask_file)
     mask = tree_lib.flatten(checkpoint.load_tree(mask_file)[0])
     kept, total = sum(int(m.sum()) for m in mask.values()), sum(m.size for m in mask.values())
     assert kept == round(config.talos.keep * total)
     delta = tree_lib.flatten(checkpoint.load_task_vector(
-        common.task_vector_file(workdir, 'talos', t))[0].delta)
+        workdir_lib.task_vector_file(workdir, 'talos', t))[0].delta)
     for path, value in delta.items():
       outside = ~mask[path] if path in mask else np.ones(value.shape, bool)
       assert not value[outside].any(), path
 
 
 def test_rerun_reuses_finished_work(tiny_run):
-  config, workdir, _ = tiny_run
-  files = [common.pretrained_file(workdir)] + [
-      common.task_vector_file(workdir, r, t) for r in REGIMES for t in common.tasks(config)]
+  config, workdir, first = tiny_run
+  files = [workdir_lib.pretrained_file(workdir)] + [workdir_lib.task_vector_file(workdir, r, t)
+                                                     for r in REGIMES
+                                                     for t in experiment.tasks(config)]
   before = {f: os.stat(f).st_mtime_ns for f in files}
   results = quickstart.run(config, workdir)
   assert {f: os.stat(f).st_mtime_ns for f in files} == before
-  assert results['seconds']['finetune'] < 30
+  assert results['regimes'] == first['regimes']
 
 
 def test_a_changed_config_in_the_same_workdir_is_refused(tiny_run):
@@ -127,18 +161,23 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   config = merge_config.get_config('tiny')
   config.regimes = 'talos'
   config.merge.methods = ','.join(MERGE_METHODS)
-  config.ties.k = '0.1,0.3'
+  config.ties.density = (0.1, 0.3)
   summary = merge.run(config, workdir)['talos']
-  directory = common.merge_dir(workdir, 'talos')
+  directory = workdir_lib.merge_dir(workdir, 'talos')
   with open(os.path.join(directory, 'results.json')) as f:
     assert json.load(f)['methods'].keys() == set(MERGE_METHODS)
-  assert summary['methods']['ties']['hyperparameters']['k'] in (0.1, 0.3)
+  ties = summary['methods']['ties']
+  assert ties['hyperparameters']['density'] in (0.1, 0.3)
+  assert ties['swept'] == ['density', 'scope']
   assert summary['methods']['averaging']['lambda'] == 1.0
   for name, result in summary['methods'].items():
-    assert 0 <= result['mean_test'] <= 1
+    assert result['mean_test'] == pytest.approx(np.mean(list(result['test'].values())))
+    for t, accuracy in result['test'].items():
+      assert result['normalized_test'][t] == pytest.approx(
+          accuracy / summary['finetuned'][t]['test'])
     restored = ocp.StandardCheckpointer().restore(os.path.join(directory, name, 'params'))
     assert tree_lib.first_mismatch(restored, checkpoint.load_tree(
-        common.pretrained_file(workdir))[0]) is None
+        workdir_lib.pretrained_file(workdir))[0]) is None
   report = open(os.path.join(directory, 'report.md')).read()
   ranked = [line.split(' | ')[0].strip('| ') for line in report.splitlines()
             if line.split(' | ')[0].strip('| ') in MERGE_METHODS]
@@ -147,19 +186,22 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   # A rerun with the same settings reuses every result; other settings redo that method only.
   again = merge.run(config, workdir)['talos']
   assert again['methods'] == json.loads(json.dumps(summary['methods']))
-  config.ties.k = '0.5'
+  config.ties.density = (0.5,)
   changed = merge.run(config, workdir)['talos']['methods']
-  assert changed['ties']['hyperparameters']['k'] == 0.5
+  assert changed['ties']['hyperparameters']['density'] == 0.5
   assert changed['fisher'] == again['methods']['fisher']
 
 
-def test_merge_hyperparameter_grids_are_comma_separated():
+def test_merge_grids_are_typed_and_checked_against_the_method_signature():
   config = merge_config.get_config('tiny')
-  config.ties.k = '0.1, 0.2'
-  config.ties.scope = 'tensor,global'
-  grid = merge.hyperparameter_grid(config.ties)
-  assert len(grid) == 4 and {'k': 0.2, 'scope': 'tensor'} in grid
-  assert merge.hyperparameter_grid(config.fisher) == [{'batch_size': 32}]
+  config.ties.density = (0.1, 0.2)
+  config.ties.scope = ('tensor', 'global')
+  grid = merge.hyperparameter_grid(config, 'ties')
+  assert len(grid) == 4 and {'density': 0.2, 'scope': 'tensor'} in grid
+  assert merge.hyperparameter_grid(config, 'fisher') == [{'batch_size': 32}]
+  assert merge.hyperparameter_grid(config, 'task_arithmetic') == [{}]
+  # DAM's ablations read DAM's section.
+  assert merge.hyperparameter_grid(config, 'dam_shared') == merge.hyperparameter_grid(config, 'dam')
   config.merge.methods = 'ties,tie'
   with pytest.raises(ValueError, match=r"config.merge.methods: unknown method\(s\) \['tie'\]"):
     merge.run(config, '/nonexistent')
@@ -167,40 +209,66 @@ def test_merge_hyperparameter_grids_are_comma_separated():
   config.regimes = 'linearized'
   with pytest.raises(ValueError, match=r"\['regmean'\] cannot merge linearized"):
     merge.run(config, '/nonexistent')
+  config.regimes = 'full'
+  config.merge.methods = 'dam_oracle'
+  with pytest.raises(ValueError, match='dam_oracle.*true backdoor trigger'):
+    merge.run(config, '/nonexistent')
+  config.merge.methods = 'ties'
+  config.ties = ml_collections.ConfigDict(dict(densty=(0.1,)))
+  with pytest.raises(ValueError, match=r'config.ties.densty is not a setting of ties.*density'):
+    merge.run(config, '/nonexistent')
+  config.ties = ml_collections.ConfigDict(dict(density=(0.1, '0.2')))
+  with pytest.raises(ValueError, match=r"config.ties.density: '0.2' is a str, but ties takes a "
+                     'float'):
+    merge.run(config, '/nonexistent')
+  config.ties = ml_collections.ConfigDict(dict(density=()))
+  with pytest.raises(ValueError, match='config.ties.density is an empty grid'):
+    merge.run(config, '/nonexistent')
 
 
-def test_safety_job_poisons_merges_and_scores_clean_accuracy_and_asr(tiny_run, tmp_path):
+def readme_library_example() -> str:
+  """The python block of the README's "Use it as a library" section."""
+  with open(os.path.join(REPO, 'README.md')) as f:
+    section = f.read().split('## Use it as a library', 1)[1].split('\n## ', 1)[0]
+  return section.split('```python\n', 1)[1].split('```', 1)[0]
+
+
+def test_readme_library_example_runs_and_the_safety_job_scores_asr(tiny_run, tmp_path):
   _, quickstart_workdir, _ = tiny_run
-  workdir = str(tmp_path)
-  shutil.copytree(common.pretrain_dir(quickstart_workdir), common.pretrain_dir(workdir))
-  # The quickstart's compiled fine-tuning steps serve the poisoned fine-tunes too.
-  shutil.copytree(os.path.join(quickstart_workdir, '.jax_cache'),
-                  os.path.join(workdir, '.jax_cache'))
-  config = safety_config.get_config('tiny')
-  config.safety.update(seeds='0', triggers='badnets', poisoned_counts='1',
-                       methods='task_arithmetic,dam_oracle')
-  summary = safety.run(config, workdir)
+  # The quickstart's backbone, task vectors and compiled programs serve the example.
+  workdir = str(tmp_path / 'notebook')
+  shutil.copytree(quickstart_workdir, workdir)
+  code = readme_library_example()
+  assert "workdir = 'workdir/notebook'" in code
+  namespace = {}
+  exec(code.replace("'workdir/notebook'", repr(workdir)), namespace)  # pylint: disable=exec-used
+
+  sweep = namespace['sweep']
+  assert set(sweep['methods']) == {'task_arithmetic', 'ties'}
+  assert sweep['methods']['ties']['hyperparameters']['density'] in (0.1, 0.2)
+  summary = namespace['attack']
   assert [(r['trigger'], r['poisoned'], r['method']) for r in summary['merges']] == [
       ('badnets', ['digits'], 'task_arithmetic'), ('badnets', ['digits'], 'dam_oracle')]
   for r in summary['merges']:
     assert set(r['asr']) == {'digits', 'colour', 'size'}
     assert r['succession'] == r['asr']['digits']
     assert r['transfer'] == pytest.approx((r['asr']['colour'] + r['asr']['size']) / 2)
-    assert 0 <= r['mean_test'] <= 1
-  seed_dir = os.path.join(workdir, 'safety', 'seed_0')
+    assert r['mean_test'] == pytest.approx(np.mean(list(r['test'].values())))
+  seed_dir = os.path.join(workdir_lib.safety_dir(workdir), 'seed_0')
   clean, _ = checkpoint.load_task_vector(os.path.join(seed_dir, 'clean', 'digits',
-                                                      common.TASK_VECTOR))
+                                                      workdir_lib.TASK_VECTOR))
   poisoned, meta = checkpoint.load_task_vector(os.path.join(seed_dir, 'badnets', 'digits',
-                                                            common.TASK_VECTOR))
+                                                            workdir_lib.TASK_VECTOR))
   assert meta['poison']['trigger'] == 'badnets' and meta['poison']['tasks'] == 'digits'
   assert not np.allclose(clean.delta['proj']['kernel'], poisoned.delta['proj']['kernel'])
   attacks = summary['fine_tunes'][0]
   assert set(attacks) == {'clean/digits', 'clean/colour', 'clean/size', 'badnets/digits'}
-  report = open(os.path.join(workdir, 'safety', 'report.md')).read()
+  report = open(os.path.join(workdir_lib.safety_dir(workdir), 'report.md')).read()
   assert '| badnets | digits | dam_oracle |' in report
-  with open(os.path.join(workdir, 'safety', 'scatter.png'), 'rb') as f:
+  with open(os.path.join(workdir_lib.safety_dir(workdir), 'scatter.png'), 'rb') as f:
     assert f.read(8) == PNG
   # A rerun reuses every fine-tune and merge.
+  config = namespace['config']
   assert safety.run(config, workdir)['merges'] == json.loads(json.dumps(summary['merges']))
 
 
@@ -209,4 +277,4 @@ def test_a_poisoned_fine_tune_is_refused_where_a_clean_one_was_made(tiny_run):
   poisoned = quickstart_config.get_config('tiny')
   poisoned.poison.tasks = 'digits'
   with pytest.raises(ValueError, match='poison'):
-    finetune.run(poisoned, workdir, 'digits', common.regime(poisoned, 'full'))
+    finetune.run(poisoned, workdir, 'digits', experiment.regime(poisoned, 'full'))

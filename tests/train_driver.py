@@ -39,7 +39,7 @@ def main():
   loss_fn = head_lib.frozen_head_loss(encoder, config.head.logit_scale)
   update_mask = regime.update_mask(
       theta0, images=task.val.batch(np.arange(len(task.val)))[0], key=jax.random.PRNGKey(2),
-      logits_fn=lambda p, x: head_lib.logits(encoder(theta0, p, x), head, config.head.logit_scale))
+      logits_fn=head_lib.logits_fn(encoder, theta0, head, config.head.logit_scale))
 
   train_config = quickstart.training(steps=args.steps, batch_size=32, learning_rate=1e-3,
                                      warmup_steps=3, checkpoint_every=args.checkpoint_every,

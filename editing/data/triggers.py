@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from editing import registry
 from editing.data.suite import Dataset
 
 
@@ -65,19 +66,12 @@ class Blended:
 
 
 Trigger = Callable[[np.ndarray], np.ndarray]
-REGISTRY = {'badnets': BadNets, 'blended': Blended}
+REGISTRY = {'badnets': BadNets(), 'blended': Blended()}
 
 
 def get(name: str, settings: dict | None = None) -> Trigger:
   """The trigger `name` of REGISTRY with `settings` (its dataclass fields) applied."""
-  if name not in REGISTRY:
-    raise ValueError(f'unknown trigger {name!r}; known: {sorted(REGISTRY)}')
-  kind = REGISTRY[name]
-  fields = {f.name for f in dataclasses.fields(kind)}
-  unknown = sorted(set(settings or {}) - fields)
-  if unknown:
-    raise ValueError(f'unknown {name} setting(s) {unknown}; known: {sorted(fields)}')
-  return kind(**(settings or {}))
+  return registry.configured(REGISTRY, name, 'trigger', settings)
 
 
 def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,

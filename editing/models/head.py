@@ -40,17 +40,32 @@ def logits(features: jax.Array, head: jax.Array, logit_scale: float) -> jax.Arra
   return logit_scale * _normalize(features.astype(jnp.float32)) @ _normalize(head).T
 
 
-def frozen_head_loss(encoder, logit_scale: float):
-  """The fine-tuning loss of every regime: cross-entropy of a frozen head on encoder features.
+def logits_fn(encoder, theta0, head: jax.Array, logit_scale: float):
+  """logits_fn(params, images): a regime's encoder (around θ0) read by a frozen head.
 
-  Returns loss_fn(params, consts, images, labels, rng) -> (loss, {'accuracy'}) for
-  `editing.train.train`, reading θ0 and the head from consts = {'theta0': ..., 'head': ...}.
+  The one classifier every job builds: fine-tuning's loss, the evaluator, TaLoS's calibration
+  and the data-driven merges all score params through it.
+  """
+  return lambda params, images: logits(encoder(theta0, params, images), head, logit_scale)
+
+
+def cross_entropy_loss(logits_of):
+  """A loss for `editing.train.train` from logits_of(params, consts, images) -> logits.
+
+  Returns loss_fn(params, consts, images, labels, rng) -> (mean cross-entropy, {'accuracy'}).
   """
 
   def loss_fn(params, consts, images, labels, rng):
     del rng
-    scores = logits(encoder(consts['theta0'], params, images), consts['head'], logit_scale)
+    scores = logits_of(params, consts, images)
     loss = optax.softmax_cross_entropy_with_integer_labels(scores, labels).mean()
     return loss, {'accuracy': jnp.mean(jnp.argmax(scores, -1) == labels)}
 
   return loss_fn
+
+
+def frozen_head_loss(encoder, logit_scale: float):
+  """The fine-tuning loss of every regime: cross-entropy of a frozen head on encoder features,
+  reading θ0 and the head from consts = {'theta0': ..., 'head': ...}."""
+  return cross_entropy_loss(lambda params, consts, images: logits_fn(
+      encoder, consts['theta0'], consts['head'], logit_scale)(params, images))

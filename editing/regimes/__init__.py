@@ -12,9 +12,9 @@ Task vectors record the regime that made them, and the evaluator applies them th
 regime's encoder.
 """
 
-import dataclasses
 from typing import Any, Mapping
 
+from editing import registry
 from editing.regimes.attention_only import ATTENTION_ONLY
 from editing.regimes.base import Regime
 from editing.regimes.full import FULL
@@ -26,15 +26,5 @@ REGISTRY: dict[str, Regime] = {r.name: r for r in (FULL, ATTENTION_ONLY, LINEARI
 
 def get(name: str, settings: Mapping[str, Any] | None = None) -> Regime:
   """The regime `name`, with its settings (e.g. TaLoS's keep, rounds) overridden by `settings`."""
-  try:
-    regime = REGISTRY[name]
-  except KeyError:
-    raise ValueError(f'unknown regime {name!r}; known: {sorted(REGISTRY)}') from None
-  if not settings:
-    return regime
-  fields = {f.name for f in dataclasses.fields(regime)} - {'name', 'trainable_patterns'}
-  unknown = sorted(set(settings) - fields)
-  if unknown:
-    raise ValueError(f'{name}.{unknown[0]} is not a setting of the {name} regime; settings: '
-                     f'{sorted(fields)}')
-  return dataclasses.replace(regime, **settings)
+  return registry.configured(REGISTRY, name, 'regime', settings,
+                             fixed=('name', 'trainable_patterns'))

@@ -76,21 +76,18 @@ def calibrate(logits_fn: LogitsFn, params: PyTree, paths: list[str], images: np.
   at `paths` are True: the lowest scores of that round among those still kept, one threshold
   over all leaves, ties to the earlier (path-sorted, row-major) position.
   """
-  paths = sorted(paths)
   flat = tree_lib.flatten(params)
-  sizes = [int(np.size(flat[p])) for p in paths]
-  total = sum(sizes)
-  kept = np.ones(total, bool)
+  kept = {p: np.ones(np.shape(flat[p]), bool) for p in paths}
+  total = sum(m.size for m in kept.values())
   scorer = _scorer(logits_fn, params, paths, batch_size)
   for r in range(1, rounds + 1):
     scores = scorer(images, np.arange(len(images)), jax.random.fold_in(key, r))
-    flat_scores = np.concatenate([scores[p].ravel() for p in paths]).astype(np.float64)
-    flat_scores[~kept] = np.inf
+    # The lowest scores are the highest negated ones; entries already dropped score +∞.
+    negated = {p: np.where(kept[p], -scores[p], -np.inf) for p in paths}
     count = int(round(keep ** (r / rounds) * total))
-    kept = np.zeros(total, bool)
-    kept[np.argsort(flat_scores, kind='stable')[:count]] = True
-  pieces = np.split(kept, np.cumsum(sizes)[:-1])
-  return {p: piece.reshape(np.shape(flat[p])) for p, piece in zip(paths, pieces)}
+    kept = {p: np.asarray(m) for p, m in
+            tree_lib.top_k(negated, lambda n, count=count: count, 'global').items()}
+  return kept
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What every merging method shares: input checks, the merged vector's provenance, and the data
-the data-driven methods read."""
+"""What every merging method shares: the merged vector's provenance, and the data the
+data-driven methods read. (Input checks: `editing.task_vector.check_compatible`.)"""
 
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
@@ -7,7 +7,6 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from editing import tree as tree_lib
 from editing.task_vector import TaskVector
 
 PyTree = Any
@@ -28,22 +27,6 @@ class TaskData:
   logits_fn: LogitsFn
   images: np.ndarray
   labels: np.ndarray | None = None
-
-
-def check(task_vectors: Sequence[TaskVector], method: str) -> None:
-  """At least one vector; all of one regime and base, with the same tree (else name the path)."""
-  if not task_vectors:
-    raise ValueError(f'{method} needs at least one task vector')
-  first = task_vectors[0]
-  for other in task_vectors[1:]:
-    if (other.regime, other.base) != (first.regime, first.base):
-      raise ValueError(f'{method}: task vectors of {first.tasks} ({first.regime}, base '
-                       f'{first.base}) and {other.tasks} ({other.regime}, base {other.base}) '
-                       'cannot be merged')
-    mismatch = tree_lib.first_mismatch(first.delta, other.delta)
-    if mismatch is not None:
-      raise ValueError(f'{method}: task vectors of {first.tasks} and {other.tasks} differ at '
-                       f'{mismatch}')
 
 
 def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:

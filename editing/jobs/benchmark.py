@@ -1,0 +1,98 @@
+"""Measures the fine-tuning step of every regime, in one process: time and memory, as ratios.
+
+Builds the same jitted step the training loop runs (`editing.train.prepare`) for each regime on
+one batch of the suite's images (`config.benchmark.task`, drawn from `config.benchmark.seed`;
+TaLoS with its mask calibrated on that batch), compiles each,
+then times the regimes' steps interleaved (one step of each in turn), so that machine noise hits
+them alike. Memory is XLA's buffer assignment of the compiled step (arguments + outputs −
+donated aliases + temporaries), the same measure on CPU, GPU and TPU. Prints a table of median
+step time, images/s and both ratios to full, and writes <workdir>/benchmark.json.
+"""
+
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from editing import checkpoint
+from editing import regimes
+from editing import train
+from editing import tree as tree_lib
+from editing.data import suite
+from editing.jobs import experiment
+from editing.models import head as head_lib
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Times `config.benchmark.steps` steps of every regime; writes <workdir>/benchmark.json."""
+  settings = config.benchmark
+  module, apply_fn = experiment.model(config.model)
+  task = suite.load_task(settings.task, seed=settings.seed,
+                         train_size=config.finetune.batch_size * 2, test_size=8)
+  images, labels = task.train.batch(np.arange(config.finetune.batch_size))
+  key_init, key_head, key_mask = jax.random.split(jax.random.PRNGKey(settings.seed), 3)
+  theta0 = module.init(key_init, images[:1])['params']
+  head = jax.random.normal(key_head, (task.num_classes, config.model.embed_dim))
+
+  prepared, placed, memory = {}, {}, {}
+  for name in regimes.REGISTRY:
+    regime = experiment.regime(config, name)
+    encoder = regime.encoder(apply_fn)
+    update_mask = regime.update_mask(
+        theta0, logits_fn=head_lib.logits_fn(encoder, theta0, head, config.head.logit_scale),
+        images=images, key=key_mask)
+    p = train.prepare(config.finetune,
+                      loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
+                      params=theta0, trainable=regime.trainable(theta0),
+                      consts={'theta0': theta0, 'head': head}, mesh=experiment.mesh(config),
+                      sharding_rules=config.sharding_rules, update_mask=update_mask)
+    placed[name] = jax.device_put((images, labels), p.batch_sharding)
+    compiled = p.step.lower(p.state, p.inputs, *placed[name]).compile()
+    memory[name] = _step_bytes(compiled.memory_analysis())
+    prepared[name] = p
+
+  states = {name: p.state for name, p in prepared.items()}
+  timings = {name: [] for name in prepared}
+  for _ in range(settings.steps + 1):
+    for name, p in prepared.items():
+      start = time.perf_counter()
+      states[name], metrics = p.step(states[name], p.inputs, *placed[name])
+      jax.block_until_ready(metrics['loss'])
+      timings[name].append(time.perf_counter() - start)
+
+  step_s = {name: float(np.median(t[1:])) for name, t in timings.items()}
+  result = {'params': tree_lib.num_params(theta0), 'batch_size': config.finetune.batch_size,
+            'devices': jax.device_count(), 'backend': jax.default_backend(), 'regimes': {
+                name: {'median_step_s': step_s[name],
+                       'images_per_s': config.finetune.batch_size / step_s[name],
+                       'step_time_ratio': step_s[name] / step_s['full'],
+                       'memory_bytes': memory[name],
+                       'memory_ratio': memory[name] / memory['full'] if memory['full'] else None}
+                for name in prepared}}
+  print(_table(result))
+  checkpoint.atomic_write_json(os.path.join(workdir, 'benchmark.json'), result)
+  return result
+
+
+def _step_bytes(analysis) -> int:
+  """Arguments + outputs − donated aliases + temporaries of a compiled program, in bytes."""
+  if analysis is None:
+    return 0
+  return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+
+
+def _table(result: dict) -> str:
+  lines = [f'{result["params"]:,} params, batch {result["batch_size"]}, '
+           f'{result["devices"]} {result["backend"]} device(s)',
+           f'{"regime":>15} {"step ms":>8} {"img/s":>7} {"time/full":>9} {"MiB":>7} '
+           f'{"mem/full":>8}']
+  for name, r in result['regimes'].items():
+    ratio = r['memory_ratio']
+    lines.append(f'{name:>15} {1e3 * r["median_step_s"]:8.1f} {r["images_per_s"]:7.0f} '
+                 f'{r["step_time_ratio"]:9.2f} {r["memory_bytes"] / 2**20:7.1f} '
+                 f'{"–" if ratio is None else f"{ratio:.2f}":>8}')
+  return '\n'.join(lines)
+
