@@ -3,6 +3,10 @@
 Finished artefacts (pretrained params, task vectors) are single safetensors files keyed by the
 leaves' '/'-joined paths, with JSON metadata, written to a temporary name and renamed so that a
 crash never leaves a partial file. Training state goes through an orbax CheckpointManager.
+
+Every load checks what it reads: a pickle (PyTorch's .bin/.pt/.pth and friends) is refused
+unread, a file safetensors cannot parse (truncated, corrupt) is named with the parser's reason,
+and a non-finite value is named by its file and leaf path.
 """
 
 import json
@@ -17,6 +21,7 @@ import safetensors
 from safetensors import numpy as safetensors_np
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector
 
 _META_KEY = 'editmerge'
@@ -52,19 +57,51 @@ def atomic_write_json(path: str, obj: Any) -> None:
 
 def save_tree(path: str, tree: Any, metadata: dict | None = None) -> None:
   """Saves a dict pytree of arrays as one safetensors file, atomically."""
-  flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tree_lib.flatten(tree).items()}
+  # np.require keeps a 0-d leaf 0-d (np.ascontiguousarray would make it 1-d).
+  flat = {k: np.require(np.asarray(v), requirements='C')
+          for k, v in tree_lib.flatten(tree).items()}
   header = {_META_KEY: json.dumps(metadata or {}, sort_keys=True)}
   atomic_write_bytes(path, safetensors_np.save(flat, metadata=header))
 
 
-def load_tree(path: str) -> tuple[dict, dict]:
-  """(nested dict of numpy arrays, metadata) from a file written by `save_tree`."""
+def load_tree(path: str, *, allow_nonfinite: bool = False) -> tuple[dict, dict]:
+  """(nested dict of numpy arrays, metadata) from a file written by `save_tree`.
+
+  Raises FileNotFoundError when there is no file, and UserError naming the file when it is a
+  pickle, not readable safetensors, or (unless `allow_nonfinite`) holds a NaN or an infinity.
+  """
   if not os.path.exists(path):
     raise FileNotFoundError(f'no checkpoint file at {path}')
-  with safetensors.safe_open(path, framework='numpy') as f:
-    flat = {key: f.get_tensor(key) for key in f.keys()}
-    metadata = json.loads((f.metadata() or {}).get(_META_KEY, '{}'))
-  return tree_lib.unflatten(flat), metadata
+  refuse_pickle(path)
+  try:
+    with safetensors.safe_open(path, framework='numpy') as f:
+      flat = {key: f.get_tensor(key) for key in f.keys()}
+      metadata = json.loads((f.metadata() or {}).get(_META_KEY, '{}'))
+  except (safetensors.SafetensorError, OSError, json.JSONDecodeError) as e:
+    raise UserError(f'{path} is not a readable safetensors file ({e}); it may be truncated or '
+                    'corrupt: regenerate it') from None
+  tree = tree_lib.unflatten(flat)
+  if not allow_nonfinite:
+    tree_lib.check_finite(tree, path)
+  return tree, metadata
+
+
+# The first bytes of a pickle (protocol 2 and later) and of PyTorch's zip-of-pickles format.
+_PICKLE_MAGIC = (b'\x80', b'PK\x03\x04')
+
+
+def refuse_pickle(path: str) -> None:
+  """A UserError, without unpickling, when `path` is a pickle rather than safetensors."""
+  with open(path, 'rb') as f:
+    head = f.read(9)
+  # safetensors: an 8-byte header length, then the JSON header. Its first byte can be 0x80
+  # (a length of 128), so the JSON brace decides before the pickle magic does.
+  if head[8:9] == b'{':
+    return
+  if head.startswith(_PICKLE_MAGIC):
+    raise UserError(f'{path} is a pickle (a PyTorch .bin/.pt/.pth checkpoint?), which is never '
+                    'unpickled here; convert it to safetensors first, e.g. in PyTorch: '
+                    'safetensors.torch.save_file(torch.load(path), "model.safetensors")')
 
 
 def save_task_vector(path: str, vector: TaskVector, extra: dict | None = None) -> None:
@@ -78,7 +115,7 @@ def load_task_vector(path: str) -> tuple[TaskVector, dict]:
   delta, meta = load_tree(path)
   missing = {'tasks', 'regime', 'base'} - meta.keys()
   if missing:
-    raise ValueError(f'{path} is not a task vector file: metadata lacks {sorted(missing)}')
+    raise UserError(f'{path} is not a task vector file: metadata lacks {sorted(missing)}')
   return TaskVector(delta, tuple(meta['tasks']), meta['regime'], meta['base']), meta
 
 

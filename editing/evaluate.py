@@ -21,6 +21,7 @@ import numpy as np
 from editing import batching
 from editing import sharding as sharding_lib
 from editing.data.suite import Dataset
+from editing.errors import UserError
 from editing.models import head as head_lib
 from editing.regimes.base import Encoder
 from editing.task_vector import TaskVector
@@ -133,7 +134,7 @@ def task_negation(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *, h
     control validation accuracies.
   """
   if 0 not in alphas:
-    raise ValueError(f'the negation grid must contain alpha=0 (the pretrained model): {alphas}')
+    raise UserError(f'the negation grid must contain alpha=0 (the pretrained model): {alphas}')
   negated = -vector
   curve = []
   for alpha in alphas:
@@ -196,5 +197,5 @@ def attack_success_rate(predictions: np.ndarray, labels: np.ndarray, target: int
   """
   eligible = np.asarray(labels) != target
   if not eligible.any():
-    raise ValueError(f'no input has a label other than the target {target}')
+    raise UserError(f'no input has a label other than the target {target}')
   return float(np.mean(np.asarray(predictions)[eligible] == target))

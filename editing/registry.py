@@ -7,6 +7,8 @@ fields, and a key that is not a field is named in the error.
 import dataclasses
 from typing import Any, Mapping, TypeVar
 
+from editing.errors import UserError
+
 T = TypeVar('T')
 
 
@@ -15,7 +17,7 @@ def lookup(registry: Mapping[str, T], name: str, kind: str) -> T:
   try:
     return registry[name]
   except KeyError:
-    raise ValueError(f'unknown {kind} {name!r}; known: {sorted(registry)}') from None
+    raise UserError(f'unknown {kind} {name!r}; known: {sorted(registry)}') from None
 
 
 def configured(registry: Mapping[str, T], name: str, kind: str,
@@ -27,6 +29,6 @@ def configured(registry: Mapping[str, T], name: str, kind: str,
   fields = {f.name for f in dataclasses.fields(entry)} - set(fixed)
   unknown = sorted(set(settings) - fields)
   if unknown:
-    raise ValueError(f'{name}.{unknown[0]} is not a setting of the {kind} {name}; settings: '
+    raise UserError(f'{name}.{unknown[0]} is not a setting of the {kind} {name}; settings: '
                      f'{sorted(fields)}')
   return dataclasses.replace(entry, **settings)

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 
 DATA_AXIS = 'data'
 REPLICATED_RULES = (('.*', ()),)
@@ -23,7 +24,7 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
   devices = jax.devices()
   if num_devices is not None:
     if not 0 < num_devices <= len(devices):
-      raise ValueError(f'num_devices={num_devices}, but {len(devices)} devices are visible')
+      raise UserError(f'num_devices={num_devices}, but {len(devices)} devices are visible')
     devices = devices[:num_devices]
   return Mesh(np.asarray(devices), (DATA_AXIS,))
 
@@ -34,7 +35,7 @@ def param_shardings(mesh: Mesh, params: Any,
   def sharding(path, leaf):
     spec = tuple(tree_lib.first_match(path, rules))
     if len(spec) > np.ndim(leaf):
-      raise ValueError(f'sharding rule {spec} for {path} has more axes than its shape '
+      raise UserError(f'sharding rule {spec} for {path} has more axes than its shape '
                        f'{np.shape(leaf)}')
     return NamedSharding(mesh, PartitionSpec(*spec))
   return tree_lib.map_with_path(sharding, params)
@@ -51,5 +52,5 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def check_batch_size(mesh: Mesh, batch_size: int, what: str = 'batch_size') -> None:
   if batch_size % mesh.shape[DATA_AXIS]:
-    raise ValueError(f'{what}={batch_size} is not divisible by the {mesh.shape[DATA_AXIS]} '
+    raise UserError(f'{what}={batch_size} is not divisible by the {mesh.shape[DATA_AXIS]} '
                      f'devices of the data axis')

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 
 PyTree = Any
 
@@ -107,12 +108,12 @@ class TaskVector:
 def check_compatible(vectors: Sequence[TaskVector], what: str) -> None:
   """At least one vector; all of one regime and base, with one tree (else name the path)."""
   if not vectors:
-    raise ValueError(f'{what} needs at least one task vector')
+    raise UserError(f'{what} needs at least one task vector')
   first = vectors[0]
   for other in vectors[1:]:
     if (other.regime, other.base) != (first.regime, first.base):
       reason = 'regimes' if other.regime != first.regime else 'base models'
-      raise ValueError(f'{what}: task vectors of {first.tasks} ({first.regime}, base '
+      raise UserError(f'{what}: task vectors of {first.tasks} ({first.regime}, base '
                        f'{first.base}) and {other.tasks} ({other.regime}, base {other.base}) '
                        f'come from different {reason}')
     tree_lib.check_same_structure(first.delta, other.delta, f'{what}: {first.tasks}',

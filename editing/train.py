@@ -27,6 +27,7 @@ from editing import checkpoint
 from editing import sharding as sharding_lib
 from editing import tree as tree_lib
 from editing.data.suite import Dataset, batch_indices
+from editing.errors import UserError
 
 PyTree = Any
 # loss_fn(params, consts, images, labels, rng) -> (scalar loss, dict of scalar metrics)
@@ -165,7 +166,7 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   trainable = {p: t and (p not in update_mask or bool(update_mask[p].any()))
                for p, t in trainable.items()}
   if not any(trainable.values()):
-    raise ValueError('no parameter is trainable')
+    raise UserError('no parameter is trainable')
   flat_shardings = tree_lib.flatten(
       sharding_lib.param_shardings(mesh, params, sharding_rules))
   trained = {p: v for p, v in flat.items() if trainable[p]}

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing.errors import UserError
+
 PyTree = Any
 SCOPES = ('tensor', 'global')
 
@@ -75,7 +77,7 @@ def select(tree: PyTree, patterns: Iterable[str]) -> dict[str, bool]:
   paths = list(flatten(tree))
   unused = [p for p in patterns if not any(re.fullmatch(p, path) for path in paths)]
   if unused:
-    raise ValueError(f'pattern(s) {unused} match no parameter; parameters look like {paths[:4]}')
+    raise UserError(f'pattern(s) {unused} match no parameter; parameters look like {paths[:4]}')
   return {path: any(re.fullmatch(p, path) for p in patterns) for path in paths}
 
 
@@ -97,7 +99,24 @@ def check_same_structure(a: PyTree, b: PyTree, name_a: str, name_b: str) -> None
   """An error naming the first path where `a` and `b` differ in structure or shape."""
   mismatch = first_mismatch(a, b)
   if mismatch is not None:
-    raise ValueError(f'{name_a} and {name_b} differ at {mismatch}')
+    raise UserError(f'{name_a} and {name_b} differ at {mismatch}')
+
+
+def first_nonfinite(tree: PyTree) -> str | None:
+  """The path of the first leaf holding a NaN or an infinity; None if every value is finite."""
+  for path, leaf in flatten(tree).items():
+    array = np.asarray(leaf)
+    # bfloat16 and other ml_dtypes are not np.inexact, so test by excluding the exact kinds.
+    if array.dtype.kind not in 'biu' and not np.isfinite(array).all():
+      return path
+  return None
+
+
+def check_finite(tree: PyTree, what: str) -> None:
+  """An error naming `what` and the first leaf path holding a NaN or an infinity."""
+  path = first_nonfinite(tree)
+  if path is not None:
+    raise UserError(f'{what}: {path} holds non-finite values (NaN or infinity)')
 
 
 def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') -> PyTree:
@@ -109,7 +128,7 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
   Jit-able: `count` sees static sizes.
   """
   if scope not in SCOPES:
-    raise ValueError(f'scope must be one of {SCOPES}, got {scope!r}')
+    raise UserError(f'scope must be one of {SCOPES}, got {scope!r}')
 
   def top(values):
     kept = count(values.size)

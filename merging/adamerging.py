@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -94,7 +95,7 @@ def initial_coefficients(count: int, theta0: common.PyTree, granularity: str,
                          init: float) -> common.PyTree:
   """λ = init for each of `count` vectors: a (count,) array, or one per leaf of θ0."""
   if granularity not in GRANULARITIES:
-    raise ValueError(f'merge coefficient granularity must be one of {GRANULARITIES}, got '
+    raise UserError(f'merge coefficient granularity must be one of {GRANULARITIES}, got '
                      f'{granularity!r}')
   coefficients = jnp.full((count,), init, jnp.float32)
   if granularity == 'layer':

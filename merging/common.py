@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from editing.errors import UserError
 from editing.task_vector import TaskVector
 
 PyTree = Any
@@ -39,6 +40,6 @@ def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:
 def task_of(vector: TaskVector, data: Mapping[str, TaskData], method: str) -> TaskData:
   """The data of a single-task vector's task."""
   if len(vector.tasks) != 1 or vector.tasks[0] not in data:
-    raise ValueError(f'{method} needs single-task vectors with data for their task; got tasks '
+    raise UserError(f'{method} needs single-task vectors with data for their task; got tasks '
                      f'{vector.tasks}, data for {sorted(data)}')
   return data[vector.tasks[0]]

@@ -22,6 +22,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -31,7 +32,7 @@ def tall_masks(task_vectors: Sequence[TaskVector], lambdas: Sequence[float]) -> 
   """m_t = |τ_t| ≥ λ_t |τ_MTL − τ_t| per task."""
   check_compatible(task_vectors, 'tall masks')
   if len(lambdas) != len(task_vectors):
-    raise ValueError(f'{len(lambdas)} lambdas for {len(task_vectors)} task vectors')
+    raise UserError(f'{len(lambdas)} lambdas for {len(task_vectors)} task vectors')
   total = sum(task_vectors).delta
   return [jax.tree.map(lambda d, s, lam=lam: jnp.abs(d) >= lam * jnp.abs(s - d), v.delta, total)
           for v, lam in zip(task_vectors, lambdas)]

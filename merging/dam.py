@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import adamerging
 from merging import common
@@ -120,7 +121,7 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   check_compatible(task_vectors, 'dam')
   unknown = sorted(set(masks) - set(MASKS))
   if unknown:
-    raise ValueError(f'dam: unknown mask(s) {unknown}; known: {MASKS}')
+    raise UserError(f'dam: unknown mask(s) {unknown}; known: {MASKS}')
   tasks = {t: common.task_of(v, data, 'dam') for v in task_vectors for t in v.tasks}
   learned_masks, perturbations, objectives = {}, {}, []
   if masks:

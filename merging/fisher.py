@@ -18,6 +18,7 @@ import numpy as np
 
 from editing import gradients
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -57,7 +58,7 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   for vector in task_vectors:
     task = common.task_of(vector, data, 'fisher')
     if task.labels is None:
-      raise ValueError(f'fisher needs labeled data for task {vector.tasks[0]}')
+      raise UserError(f'fisher needs labeled data for task {vector.tasks[0]}')
     fishers.append(diagonal_fisher(task.logits_fn, vector.apply_to(theta0), task.images,
                                    task.labels, batch_size))
   return combine(task_vectors, fishers)

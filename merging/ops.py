@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from editing import tree as tree_lib
+from editing.errors import UserError
 
 PyTree = Any
 SCOPES = tree_lib.SCOPES
@@ -20,14 +21,14 @@ def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree
   entry (path order, then row-major), so the count is exact.
   """
   if not 0 < density <= 1:
-    raise ValueError(f'density must be in (0, 1], got {density}')
+    raise UserError(f'density must be in (0, 1], got {density}')
   return tree_lib.top_k(jax.tree.map(jnp.abs, delta), lambda n: max(1, int(density * n)), scope)
 
 
 def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
   """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
   if top < 0 or bottom < 0 or top + bottom >= 1:
-    raise ValueError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
+    raise UserError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
   magnitudes = jax.tree.map(jnp.abs, delta)
   # One ranking for both cuts (ties to the earlier entry), so the largest are a subset of the
   # not-smallest and exactly the band between them remains.
@@ -66,7 +67,7 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
   traversal order, the device count or the sharding; p = 0 returns τ unchanged.
   """
   if not 0 <= p < 1:
-    raise ValueError(f'drop probability p must be in [0, 1), got {p}')
+    raise UserError(f'drop probability p must be in [0, 1), got {p}')
   if p == 0:
     return delta
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from editing import batching
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -73,7 +74,7 @@ def combine(task_vectors: Sequence[TaskVector], theta0: common.PyTree,
   """The RegMean vector from each task's Grams (same keys for every task); jit-able."""
   check_compatible(task_vectors, 'regmean')
   if not 0 <= alpha <= 1:
-    raise ValueError(f'regmean alpha must be in [0, 1], got {alpha}')
+    raise UserError(f'regmean alpha must be in [0, 1], got {alpha}')
   flat0 = tree_lib.flatten(theta0)
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
   merged = {}
@@ -96,7 +97,7 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn
   """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
   check_compatible(task_vectors, 'regmean')
   if task_vectors[0].regime == 'linearized':
-    raise ValueError('regmean merges layer by layer through the model itself; linearized task '
+    raise UserError('regmean merges layer by layer through the model itself; linearized task '
                      'vectors act through the tangent model, which has no such layers')
   grams = [gram_matrices(apply_fn, v.apply_to(theta0), common.task_of(v, data, 'regmean').images,
                          batch_size) for v in task_vectors]

@@ -31,3 +31,18 @@ def compilation_cache_fixture(tmp_path_factory) -> dict[str, str]:
   processes of one test (and tests of the same program) compile each jitted step once."""
   return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax_cache')),
           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+
+
+TINY_REGIMES = ('full', 'talos')
+
+
+@pytest.fixture(scope='session', name='tiny_run')
+def tiny_run_fixture(tmp_path_factory):
+  """(config, workdir, results) of the quickstart on the tiny config in two regimes, run once
+  for every test that reads a finished workdir (copy it before changing anything in it)."""
+  from configs import quickstart as quickstart_config  # pylint: disable=g-import-not-at-top
+  from editing.jobs import quickstart  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('quickstart'))
+  config = quickstart_config.get_config('tiny')
+  config.regimes = ','.join(TINY_REGIMES)
+  return config, workdir, quickstart.run(config, workdir)

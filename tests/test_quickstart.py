@@ -4,15 +4,18 @@ import json
 import os
 import shutil
 
+import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import merging
 from configs import merge as merge_config
 from configs import quickstart as quickstart_config
 from editing import checkpoint
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import quickstart
@@ -20,17 +23,9 @@ from editing.jobs import workdir as workdir_lib
 from merging.jobs import merge
 from merging.jobs import safety
 from tests.conftest import REPO
+from tests.conftest import TINY_REGIMES as REGIMES
 
 
-@pytest.fixture(scope='module', name='tiny_run')
-def tiny_run_fixture(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('quickstart'))
-  config = quickstart_config.get_config('tiny')
-  config.regimes = ','.join(REGIMES)
-  return config, workdir, quickstart.run(config, workdir)
-
-
-REGIMES = ('full', 'talos')
 PNG = b'\x89PNG\r\n\x1a\n'
 
 
@@ -190,6 +185,36 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   changed = merge.run(config, workdir)['talos']['methods']
   assert changed['ties']['hyperparameters']['density'] == 0.5
   assert changed['fisher'] == again['methods']['fisher']
+  # Another method list reruns nothing that is done, and the report keeps every method merged
+  # under the current settings.
+  results = {m: os.path.join(directory, m, 'result.json') for m in MERGE_METHODS}
+  stamps = {m: os.stat(f).st_mtime_ns for m, f in results.items()}
+  config.merge.methods = 'averaging'
+  listed = merge.run(config, workdir)['talos']['methods']
+  assert set(listed) == set(MERGE_METHODS) and listed['ties'] == changed['ties']
+  assert {m: os.stat(f).st_mtime_ns for m, f in results.items()} == stamps
+  report = open(os.path.join(directory, 'report.md')).read()
+  assert all(f'| {m} |' in report for m in MERGE_METHODS)
+  # A method's result under other settings is not listed.
+  config.fisher.batch_size = 16
+  assert 'fisher' not in merge.run(config, workdir)['talos']['methods']
+
+
+def test_a_non_finite_merge_is_refused_before_it_is_applied_or_saved(tiny_run, tmp_path,
+                                                                     monkeypatch):
+  _, source, _ = tiny_run
+  workdir = str(tmp_path / 'workdir')
+  shutil.copytree(source, workdir)
+  nan_merge = lambda vectors: vectors[0].replace(
+      delta=jax.tree.map(lambda d: d * np.nan, vectors[0].delta))
+  monkeypatch.setitem(merging.REGISTRY, 'averaging', merging.Method(nan_merge, scaled=False))
+  config = merge_config.get_config('tiny')
+  config.regimes, config.merge.methods = 'full', 'averaging'
+  with pytest.raises(UserError, match='the averaging merge with defaults: .* holds non-finite'):
+    merge.run(config, workdir)
+  directory = os.path.join(workdir_lib.merge_dir(workdir, 'full'), 'averaging')
+  assert not os.path.exists(os.path.join(directory, 'params'))
+  assert not os.path.exists(os.path.join(directory, 'result.json'))
 
 
 def test_merge_grids_are_typed_and_checked_against_the_method_signature():
@@ -217,9 +242,11 @@ def test_merge_grids_are_typed_and_checked_against_the_method_signature():
   config.ties = ml_collections.ConfigDict(dict(densty=(0.1,)))
   with pytest.raises(ValueError, match=r'config.ties.densty is not a setting of ties.*density'):
     merge.run(config, '/nonexistent')
+  config.ties = ml_collections.ConfigDict(dict(scope=('tensor', 1)))
+  with pytest.raises(ValueError, match='config.ties.scope: 1 is a int, but ties takes a str'):
+    merge.run(config, '/nonexistent')
   config.ties = ml_collections.ConfigDict(dict(density=(0.1, '0.2')))
-  with pytest.raises(ValueError, match=r"config.ties.density: '0.2' is a str, but ties takes a "
-                     'float'):
+  with pytest.raises(ValueError, match=r"config.ties.density = '0.2': must be a number in"):
     merge.run(config, '/nonexistent')
   config.ties = ml_collections.ConfigDict(dict(density=()))
   with pytest.raises(ValueError, match='config.ties.density is an empty grid'):

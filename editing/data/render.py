@@ -8,6 +8,8 @@ import colorsys
 
 import numpy as np
 
+from editing.errors import UserError
+
 SIZE = 32
 _Y, _X = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
 
@@ -56,7 +58,7 @@ def texture(rng: np.random.Generator, kind: str, contrast: float = 0.25) -> np.n
     cx, cy = (_X + phase) % period - period / 2, (_Y + phase) % period - period / 2
     pattern = cx**2 + cy**2 < (period / 4) ** 2
   else:
-    raise ValueError(f'unknown texture {kind!r}; known: {TEXTURES}')
+    raise UserError(f'unknown texture {kind!r}; known: {TEXTURES}')
   pattern = np.asarray(pattern, np.float32)[..., None]
   return base * (1 - pattern) + other * pattern
 
@@ -87,7 +89,7 @@ def shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float = 0.
   elif kind == 'bar':
     mask = (np.abs(u) <= r) & (np.abs(v) <= max(1.0, r / 6))
   else:
-    raise ValueError(f'unknown shape {kind!r}; known: {SHAPES + ("bar",)}')
+    raise UserError(f'unknown shape {kind!r}; known: {SHAPES + ("bar",)}')
   return mask.astype(np.float32)
 
 

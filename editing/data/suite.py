@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from editing.data import render
+from editing.errors import UserError
 
 CONTROL_TASK = 'shapes'
 DOWNSTREAM_TASKS = ('digits', 'letters', 'count', 'orientation', 'texture', 'position', 'size',
@@ -223,7 +224,7 @@ def load_task(name: str, *, seed: int = 0, train_size: int = 5000, test_size: in
     test = _synthesize(name, test_size, _seeded(seed, name, _SPLIT_STREAMS['test']))
     num_classes = _SYNTHETIC[name][0]
   else:
-    raise ValueError(f'unknown task {name!r}; the suite has {TASKS}')
+    raise UserError(f'unknown task {name!r}; the suite has {TASKS}')
   train, val = _split_val(pool, seed, name, val_fraction)
   return Task(name, num_classes, train, val, test)
 
@@ -234,7 +235,7 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> n
   A pure function of the step, so a resumed run sees exactly the batches it would have seen.
   """
   if batch_size > num_examples:
-    raise ValueError(f'batch_size {batch_size} exceeds the {num_examples} training examples')
+    raise UserError(f'batch_size {batch_size} exceeds the {num_examples} training examples')
   steps_per_epoch = num_examples // batch_size
   epoch, index = divmod(step, steps_per_epoch)
   order = np.random.default_rng([seed, epoch]).permutation(num_examples)

@@ -19,6 +19,7 @@ import numpy as np
 
 from editing import registry
 from editing.data.suite import Dataset
+from editing.errors import UserError
 
 
 def _to_unit(images: np.ndarray) -> np.ndarray:
@@ -78,7 +79,7 @@ def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
            seed: int = 0) -> Dataset:
   """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`."""
   if not 0 <= rate <= 1:
-    raise ValueError(f'poison rate must be in [0, 1], got {rate}')
+    raise UserError(f'poison rate must be in [0, 1], got {rate}')
   count = int(round(rate * len(data)))
   chosen = np.random.default_rng(seed).choice(len(data), size=count, replace=False)
   images, labels = np.array(data.images, copy=True), np.array(data.labels, copy=True)

@@ -27,6 +27,7 @@ from editing.models import head as head_lib
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Times `config.benchmark.steps` steps of every regime; writes <workdir>/benchmark.json."""
+  experiment.validate(config)
   settings = config.benchmark
   module, apply_fn = experiment.model(config.model)
   task = suite.load_task(settings.task, seed=settings.seed,

@@ -10,7 +10,9 @@ from absl import logging
 
 from editing import checkpoint
 from editing import evaluate
+from editing import tree as tree_lib
 from editing.data import suite
+from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import report
 from editing.jobs import workdir as workdir_lib
@@ -19,16 +21,20 @@ from editing.jobs import workdir as workdir_lib
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs every protocol for every regime of `config.regimes`; writes <workdir>/results.json
   and report.md, and per regime evaluation/<regime>/."""
+  experiment.validate(config)
   names = experiment.tasks(config)
   regimes = [r.name for r in experiment.configured_regimes(config)]
   pairs = disentanglement_pairs(config, names)
-  workdir_lib.use_compilation_cache(workdir)
   theta0, apply_fn = experiment.load_pretrained(workdir)
-  missing = [f'{r}/{t}' for r in regimes for t in names
-             if not os.path.exists(workdir_lib.task_vector_file(workdir, r, t))]
-  if missing:
-    raise FileNotFoundError(f'no task vector for {missing} in {workdir}; run launch.finetune '
-                            '--task=<task> (or launch.quickstart) with these regimes first')
+  vectors = {r: dict(zip(names, experiment.load_task_vectors(workdir, r, names, theta0)))
+             for r in regimes}
+  # What the numbers depend on besides the vectors: a workdir evaluated under other data or
+  # heads is refused, as fine-tuning refuses it.
+  workdir_lib.check_job_config(
+      workdir_lib.evaluation_root(workdir),
+      {'suite': experiment.suite_settings(config, 'train_size', 'pretrain_size'),
+       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)})
+  workdir_lib.use_compilation_cache(workdir)
   data = {t: experiment.load_task(config, t) for t in names + [suite.CONTROL_TASK]}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in data}
   pretrained_evaluator = experiment.evaluator(config, apply_fn, 'full')
@@ -37,7 +43,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   results = {'tasks': names, 'control_task': suite.CONTROL_TASK, 'regimes': {}}
   for regime in regimes:
     results['regimes'][regime] = evaluate_regime(config, workdir, regime, theta0, apply_fn,
-                                                 data, heads, pretrained, pairs)
+                                                 vectors[regime], data, heads, pretrained,
+                                                 pairs)
   checkpoint.atomic_write_json(os.path.join(workdir, 'results.json'), results)
   checkpoint.atomic_write_bytes(os.path.join(workdir, 'report.md'),
                                 report.comparison_markdown(results).encode())
@@ -55,18 +62,17 @@ def disentanglement_pairs(config: ml_collections.ConfigDict,
   for item in spec.split(','):
     pair = tuple(t.strip() for t in item.split(':'))
     if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(names):
-      raise ValueError(f'config.eval.disentanglement_pairs: {item!r} is not two different '
+      raise UserError(f'config.eval.disentanglement_pairs: {item!r} is not two different '
                        f'tasks of config.suite.tasks ({",".join(names)}) as "a:b"')
     pairs.append(pair)
   return pairs
 
 
-def evaluate_regime(config, workdir, regime, theta0, apply_fn, data, heads, pretrained,
+def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, heads, pretrained,
                     pairs) -> dict:
-  """The protocols for one regime's task vectors; also written to evaluation/<regime>/."""
+  """The protocols for one regime's task vectors ({task: vector}); also written to
+  evaluation/<regime>/."""
   names = [t for t in data if t != suite.CONTROL_TASK]
-  vectors = {t: checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, regime, t))[0]
-             for t in names}
   evaluator = experiment.evaluator(config, apply_fn, regime)
   alphas = evaluate.alpha_grid(config.eval.alpha_step)
 

@@ -1,9 +1,11 @@
 """What every job reads from an experiment's config and workdir: the tasks, regimes and triggers
 it names, the suite's data, the mesh, the model, the pretrained backbone θ0, the frozen heads and
-the evaluator."""
+the evaluator; and `validate`, the check every job makes before it writes anything."""
 
+import fnmatch
+import numbers
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -12,11 +14,92 @@ from editing import checkpoint
 from editing import evaluate
 from editing import regimes
 from editing import sharding
+from editing import tree as tree_lib
 from editing.data import suite
 from editing.data import triggers
+from editing.errors import UserError
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 from editing.models import vit
+from editing.task_vector import TaskVector
+
+
+def _integer(low: int) -> tuple[Callable[[Any], bool], str]:
+  return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low,
+          f'an integer ≥ {low}')
+
+
+def _number(low: float, high: float, *, open_low: bool = False,
+            open_high: bool = False) -> tuple[Callable[[Any], bool], str]:
+  def test(v):
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+      return False
+    return (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
+
+  return test, f'a number in {"(" if open_low else "["}{low:g}, {high:g}{")" if open_high else "]"}'
+
+
+_INF = float('inf')
+# (glob over dotted config keys, (test, what it must be)); the first matching rule applies, and
+# a tuple value (a merge grid) is checked value by value.
+_RANGES = (
+    ('*.warmup_steps', _integer(0)),
+    ('*.refit_steps', _integer(0)),
+    ('*steps', _integer(1)),
+    ('*batch_size', _integer(1)),
+    ('*_every', _integer(1)),
+    ('*_size', _integer(1)),
+    ('*.rounds', _integer(1)),
+    ('*.seed', _integer(0)),
+    ('seed', _integer(0)),
+    ('num_devices', _integer(0)),
+    ('poison.target', _integer(0)),
+    ('eval.disentanglement_points', _integer(1)),
+    ('merge.train_examples', _integer(1)),
+    ('*learning_rate', _number(0, _INF, open_low=True)),
+    ('*logit_scale', _number(0, _INF, open_low=True)),
+    ('*.grad_clip', _number(0, _INF, open_low=True)),
+    ('*.weight_decay', _number(0, _INF)),
+    ('suite.val_fraction', _number(0, 1, open_low=True, open_high=True)),
+    ('poison.rate', _number(0, 1)),
+    ('talos.keep', _number(0, 1, open_low=True)),
+    ('*.density', _number(0, 1, open_low=True)),
+    ('*_step', _number(0, 1, open_low=True)),
+    ('eval.negation_threshold', _number(0, 1)),
+    ('eval.disentanglement_limit', _number(0, _INF, open_low=True)),
+    ('dare.p', _number(0, 1, open_high=True)),
+    ('regmean.alpha', _number(0, 1)),
+    ('breadcrumbs.*', _number(0, 1, open_high=True)),
+    ('consensus.min_tasks', _integer(1)),
+    ('blended.ratio', _number(0, 1)),
+    ('dam.temperature', _number(0, _INF, open_low=True)),
+    ('dam.bound', _number(0, _INF)),
+)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every range-checked value of the config, the device count and the batch sizes it divides.
+
+  Jobs call this first, so that a bad value is refused before anything is written.
+  """
+  flat = workdir_lib.dotted(config.to_dict())
+  for key, value in flat.items():
+    for pattern, (test, expected) in _RANGES:
+      if fnmatch.fnmatchcase(key, pattern):
+        for v in value if isinstance(value, tuple) else (value,):
+          if not test(v):
+            raise UserError(f'config.{key} = {v!r}: must be {expected}')
+        break
+  visible = len(jax.devices())
+  if config.get('num_devices', 0) > visible:
+    raise UserError(f'config.num_devices = {config.num_devices}, but {visible} devices are '
+                    'visible')
+  devices = config.get('num_devices', 0) or visible
+  for key, value in flat.items():
+    if key.endswith('batch_size') and key.split('.')[0] in ('pretrain', 'finetune', 'eval') \
+        and value % devices:
+      raise UserError(f'config.{key} = {value} is not divisible by the {devices} devices of '
+                      f'the data axis; use a multiple of {devices}')
 
 
 def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list[str]:
@@ -24,7 +107,7 @@ def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list
   names = [n.strip() for n in value.split(',') if n.strip()]
   unknown = [n for n in names if n not in known]
   if unknown or not names:
-    raise ValueError(f'{key}: unknown {kind}(s) {unknown or names}; choose from '
+    raise UserError(f'{key}: unknown {kind}(s) {unknown or names}; choose from '
                      f'{",".join(known)}')
   return names
 
@@ -94,6 +177,33 @@ def load_pretrained(workdir: str):
   params, meta = checkpoint.load_tree(path)
   _, apply_fn = model(meta['model'])
   return params, apply_fn
+
+
+def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],
+                      theta0: Any) -> list[TaskVector]:
+  """The regime's saved task vectors of `tasks`, each checked against the θ0 in use.
+
+  A vector must exist, be finite, match θ0's tree and carry θ0's fingerprint as its base:
+  a vector fine-tuned from another backbone is refused, naming its file.
+  """
+  base = tree_lib.fingerprint(theta0)
+  missing = [t for t in tasks if not os.path.exists(workdir_lib.task_vector_file(workdir, regime,
+                                                                                 t))]
+  if missing:
+    raise FileNotFoundError(f'no {regime} task vector for {missing} in {workdir}; run '
+                            'launch.finetune (or launch.quickstart) with this --workdir and '
+                            'regime first')
+  vectors = []
+  for t in tasks:
+    path = workdir_lib.task_vector_file(workdir, regime, t)
+    vector, _ = checkpoint.load_task_vector(path)
+    if vector.base != base:
+      raise UserError(f'{path} was fine-tuned from the backbone with fingerprint {vector.base}, '
+                      f'but the θ0 in {workdir_lib.pretrained_file(workdir)} has {base}; '
+                      'fine-tune again from this θ0')
+    tree_lib.check_same_structure(theta0, vector.delta, 'θ0', path)
+    vectors.append(vector)
+  return vectors
 
 
 def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> evaluate.Evaluator:

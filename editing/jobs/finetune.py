@@ -30,6 +30,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   The run lives in `directory` (default <workdir>/finetune/<regime>/<task>); the pretrained
   backbone and heads are always the workdir's.
   """
+  experiment.validate(config)
   directory = directory or workdir_lib.finetune_dir(workdir, regime.name, task_name)
   out = os.path.join(directory, workdir_lib.TASK_VECTOR)
   theta0, apply_fn = experiment.load_pretrained(workdir)

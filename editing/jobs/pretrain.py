@@ -11,6 +11,7 @@ from editing import checkpoint
 from editing import train
 from editing import tree as tree_lib
 from editing.data import suite
+from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
@@ -18,6 +19,7 @@ from editing.models import head as head_lib
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Trains encoder + head on shapes unless done; writes <workdir>/pretrain/params.safetensors."""
+  experiment.validate(config)
   out = workdir_lib.pretrained_file(workdir)
   directory = workdir_lib.pretrain_dir(workdir)
   sections = {'model': config.model.to_dict(),
@@ -27,6 +29,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   workdir_lib.use_compilation_cache(workdir)
   workdir_lib.check_job_config(directory, sections)
   if os.path.exists(out):
+    recorded = checkpoint.load_tree(out)[1].get('model')
+    if recorded != config.model.to_dict():
+      raise UserError(f'{out} holds a backbone of model {recorded}, not config.model '
+                      f'{config.model.to_dict()}; use another --workdir')
     logging.info('pretrained backbone found at %s', out)
     return
   task = experiment.load_task(config, suite.CONTROL_TASK)

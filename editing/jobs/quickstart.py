@@ -20,6 +20,7 @@ from editing.jobs import pretrain
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Returns the evaluation's results, with the seconds each stage took."""
+  experiment.validate(config)
   names = experiment.tasks(config)
   regimes = experiment.configured_regimes(config)
   timings = {}

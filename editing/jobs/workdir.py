@@ -4,6 +4,7 @@
   <workdir>/pretrain/heads/<task>.safetensors   frozen heads fitted on θ0
   <workdir>/finetune/<regime>/<task>/      training state, metrics, task_vector.safetensors
                                            (and update_mask.safetensors for a sparse regime)
+  <workdir>/evaluation/                    job_config.json: the settings evaluated under
   <workdir>/evaluation/<regime>/           results.json, report.md, alpha_curves.png,
                                            disentanglement.png
   <workdir>/results.json, report.md        every evaluated regime, and their comparison
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 
 from editing import checkpoint
+from editing.errors import UserError
 
 # The files a fine-tuning directory ends with.
 TASK_VECTOR = 'task_vector.safetensors'
@@ -55,8 +57,12 @@ def update_mask_file(workdir: str, regime: str, task: str) -> str:
   return os.path.join(finetune_dir(workdir, regime, task), UPDATE_MASK)
 
 
+def evaluation_root(workdir: str) -> str:
+  return os.path.join(workdir, 'evaluation')
+
+
 def evaluation_dir(workdir: str, regime: str) -> str:
-  return os.path.join(workdir, 'evaluation', regime)
+  return os.path.join(evaluation_root(workdir), regime)
 
 
 def merge_dir(workdir: str, regime: str) -> str:
@@ -86,8 +92,18 @@ def check_job_config(directory: str, sections: dict[str, Any]) -> None:
   differing = _differing_setting(directory, sections)
   if differing:
     key, then, now = differing
-    raise ValueError(f'{directory} was made with other settings ({key}: {then} then, {now} '
+    raise UserError(f'{directory} was made with other settings ({key}: {then} then, {now} '
                      'now); use another --workdir')
+
+
+def recorded_as(directory: str, sections: dict[str, Any]) -> bool:
+  """Whether `directory` records exactly these settings (nothing is written)."""
+  path = os.path.join(directory, _JOB_CONFIG)
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    recorded = json.load(f)
+  return recorded == json.loads(json.dumps(sections, sort_keys=True, default=str))
 
 
 def reusable_result(directory: str, sections: dict[str, Any], result_file: str) -> bool:
@@ -115,19 +131,20 @@ def _differing_setting(directory: str, sections: dict[str, Any]) -> tuple | None
     checkpoint.atomic_write_json(path, current)
     return None
   with open(path) as f:
-    recorded = _dotted(json.load(f))
-  now = _dotted(current)
+    recorded = dotted(json.load(f))
+  now = dotted(current)
   differing = sorted(k for k in recorded.keys() | now.keys() if recorded.get(k) != now.get(k))
   if not differing:
     return None
   return differing[0], recorded.get(differing[0]), now.get(differing[0])
 
 
-def _dotted(tree: dict, prefix: str = '') -> dict[str, Any]:
+def dotted(tree: dict, prefix: str = '') -> dict[str, Any]:
+  """{'a.b.c': leaf} of a nested dict."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      flat.update(_dotted(value, f'{prefix}{key}.'))
+      flat.update(dotted(value, f'{prefix}{key}.'))
     else:
       flat[f'{prefix}{key}'] = value
   return flat

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from editing.errors import UserError
+
 
 def _normalize(x, axis=-1):
   return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), 1e-12)
@@ -28,7 +30,7 @@ def fit_prototypes(features: np.ndarray, labels: np.ndarray, num_classes: int) -
   features = np.asarray(_normalize(jnp.asarray(features, jnp.float32)))
   counts = np.bincount(labels, minlength=num_classes)
   if (counts == 0).any():
-    raise ValueError(f'classes {np.flatnonzero(counts == 0).tolist()} have no training example')
+    raise UserError(f'classes {np.flatnonzero(counts == 0).tolist()} have no training example')
   sums = np.zeros((num_classes, features.shape[-1]), np.float32)
   np.add.at(sums, labels, features)
   means = sums / counts[:, None]

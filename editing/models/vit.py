@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import ml_collections
 
+from editing.errors import UserError
+
 Dtype = Any
 
 
@@ -24,7 +26,7 @@ def _sincos_2d_init(h: int, w: int):
     del key
     width = shape[-1]
     if width % 4:
-      raise ValueError(f'sincos position embeddings need width % 4 == 0, got {width}')
+      raise UserError(f'sincos position embeddings need width % 4 == 0, got {width}')
     y, x = jnp.mgrid[:h, :w]
     omega = 1.0 / 10000 ** (jnp.arange(width // 4) / (width // 4 - 1 or 1))
     y = y.reshape(-1, 1) * omega
@@ -45,7 +47,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x):
     width = x.shape[-1]
     if width % self.num_heads:
-      raise ValueError(f'width {width} is not divisible by num_heads {self.num_heads}')
+      raise UserError(f'width {width} is not divisible by num_heads {self.num_heads}')
     head_dim = width // self.num_heads
     dense = lambda name: nn.DenseGeneral(
         (self.num_heads, head_dim), dtype=self.dtype, name=name)

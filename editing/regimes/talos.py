@@ -36,6 +36,7 @@ import numpy as np
 
 from editing import gradients
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.regimes.base import LogitsFn, PyTree, Regime
 
 ELIGIBLE = (
@@ -106,9 +107,9 @@ class Talos(Regime):
 
   def __post_init__(self):
     if not 0 < self.keep <= 1:
-      raise ValueError(f'{self.name}.keep must be in (0, 1], got {self.keep}')
+      raise UserError(f'{self.name}.keep must be in (0, 1], got {self.keep}')
     if self.rounds < 1 or self.batch_size < 1:
-      raise ValueError(f'{self.name}.rounds and {self.name}.batch_size must be positive, got '
+      raise UserError(f'{self.name}.rounds and {self.name}.batch_size must be positive, got '
                        f'{self.rounds} and {self.batch_size}')
 
   def update_mask(self, params, *, logits_fn, images, key):

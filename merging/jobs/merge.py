@@ -6,7 +6,9 @@ their merge) by mean normalized validation accuracy, report test accuracy there,
 merged params with orbax to <workdir>/merge/<regime>/<method>/params. Writes
 <workdir>/merge/<regime>/results.json and report.md (methods sorted by mean normalized test
 accuracy). A method whose result exists for the same settings is not rerun; under other
-settings it is redone and overwritten.
+settings it is redone and overwritten. Results are kept per method: the report lists every
+method whose stored result was made under the current settings, the ones listed in
+`config.merge.methods` now and the ones merged before.
 
 Grids are typed config: in a method's section (config.<method>, or the section it shares),
 a tuple is one axis of the grid (`config.ties.density = (0.1, 0.2)`, on the command line
@@ -28,38 +30,44 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-import merging
 from editing import checkpoint
 from editing import evaluate
+from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
+import merging
 from merging import common
 from merging.jobs import report
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Merges and evaluates every method of `config.merge.methods` for every regime."""
+  experiment.validate(config)
   names = experiment.tasks(config)
   methods = methods_from(config.merge.methods, key='config.merge.methods')
   regimes = experiment.configured_regimes(config)
   for regime in regimes:
     refused = [m for m in methods if regime.name in merging.get(m).refused_regimes]
     if refused:
-      raise ValueError(f'config.merge.methods: {refused} cannot merge {regime.name} task '
+      raise UserError(f'config.merge.methods: {refused} cannot merge {regime.name} task '
                        'vectors; leave them out for that regime')
   needing_trigger = [m for m in methods if 'trigger' in merging.get(m).reads]
   if needing_trigger:
-    raise ValueError(f'config.merge.methods: {needing_trigger} read the true backdoor trigger, '
+    raise UserError(f'config.merge.methods: {needing_trigger} read the true backdoor trigger, '
                      'which only the safety experiment (launch.safety) has')
   for m in methods:
     hyperparameter_grid(config, m)
-  workdir_lib.use_compilation_cache(workdir)
   theta0, apply_fn = experiment.load_pretrained(workdir)
+  vectors = {r.name: experiment.load_task_vectors(workdir, r.name, names, theta0)
+             for r in regimes}
+  workdir_lib.use_compilation_cache(workdir)
   data = {t: experiment.load_task(config, t) for t in names}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
-  return {regime.name: merge_regime(config, workdir, regime.name, methods, theta0, apply_fn,
-                                    data, heads) for regime in regimes}
+  return {regime: merge_regime(config, workdir, regime, methods, theta0, apply_fn,
+                               regime_vectors, data, heads)
+          for regime, regime_vectors in vectors.items()}
 
 
 def methods_from(value: str, *, key: str) -> list[str]:
@@ -80,14 +88,14 @@ def hyperparameter_grid(config: ml_collections.ConfigDict, name: str) -> list[di
   for setting, value in section.items():
     where = f'config.{key}.{setting}'
     if setting not in known:
-      raise ValueError(f'{where} is not a setting of {name}; its settings: {sorted(known)}')
+      raise UserError(f'{where} is not a setting of {name}; its settings: {sorted(known)}')
     values = tuple(value) if isinstance(value, tuple) else (value,)
     if not values:
-      raise ValueError(f'{where} is an empty grid; give at least one value')
+      raise UserError(f'{where} is an empty grid; give at least one value')
     default = known[setting].default
     for v in values:
       if not _of_kind(v, default):
-        raise ValueError(f'{where}: {v!r} is a {type(v).__name__}, but {name} takes a '
+        raise UserError(f'{where}: {v!r} is a {type(v).__name__}, but {name} takes a '
                          f'{type(default).__name__} (default {default!r})')
     axes[setting] = values
   return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
@@ -111,16 +119,10 @@ def _of_kind(value, default) -> bool:
   return isinstance(value, type(default))
 
 
-def merge_regime(config, workdir, regime, methods, theta0, apply_fn, data, heads) -> dict:
+def merge_regime(config, workdir, regime, methods, theta0, apply_fn, vectors, data,
+                 heads) -> dict:
   """The sweep of every method over one regime's task vectors; writes merge/<regime>/."""
   names = list(data)
-  vectors = []
-  for t in names:
-    path = workdir_lib.task_vector_file(workdir, regime, t)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f'no {regime} task vector for {t} at {path}; run launch.finetune '
-                              '(or launch.quickstart) with this --workdir and regime first')
-    vectors.append(checkpoint.load_task_vector(path)[0])
   evaluator = experiment.evaluator(config, apply_fn, regime)
   finetuned = evaluate.finetuned_accuracy(evaluator, theta0, vectors, heads, data)
   pretrained = {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test) for t in names}
@@ -140,6 +142,7 @@ def merge_regime(config, workdir, regime, methods, theta0, apply_fn, data, heads
     _save_params(os.path.join(directory, 'params'), chosen.params)
     results[name] = {'method': name, **chosen.summary, 'seconds': time.time() - start}
     checkpoint.atomic_write_json(result_file, results[name])
+  results.update(_earlier_results(config, workdir_lib.merge_dir(workdir, regime), results))
   summary = {'regime': regime, 'tasks': names, 'pretrained': pretrained,
              'finetuned': finetuned, 'methods': results}
   out = workdir_lib.merge_dir(workdir, regime)
@@ -150,12 +153,27 @@ def merge_regime(config, workdir, regime, methods, theta0, apply_fn, data, heads
   return summary
 
 
+def _earlier_results(config, directory: str, done: dict) -> dict:
+  """{method: result} of the methods not in `done` merged earlier in `directory` under the
+  settings the config now gives them."""
+  earlier = {}
+  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+    result_file = os.path.join(directory, name, 'result.json')
+    if name in done or name not in merging.REGISTRY or not os.path.exists(result_file):
+      continue
+    if workdir_lib.recorded_as(os.path.join(directory, name), settings_used(config, name)):
+      with open(result_file) as f:
+        earlier[name] = json.load(f)
+  return earlier
+
+
 def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
-  """The config a merge's result depends on: its method section and the shared ones."""
+  """The config a merge's result depends on: its method section and the shared ones (not
+  which other methods run beside it)."""
   section = config.get(merging.get(name).section or name)
-  return {'method': section.to_dict() if section is not None else {},
-          'merge': config.merge.to_dict(), 'eval': config.eval.to_dict(),
-          'suite': experiment.suite_settings(config, 'train_size')}
+  shared = {k: v for k, v in config.merge.to_dict().items() if k != 'methods'}
+  return {'method': section.to_dict() if section is not None else {}, 'merge': shared,
+          'eval': config.eval.to_dict(), 'suite': experiment.suite_settings(config, 'train_size')}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +211,7 @@ class MergeInputs:
                  'apply_fn': self.apply_fn, **self.extra}
     missing = [r for r in method.reads if r != 'data' and r not in available]
     if missing:
-      raise ValueError(f'{name} reads {missing}, which this experiment does not provide')
+      raise UserError(f'{name} reads {missing}, which this experiment does not provide')
     reads = {k: available[k] for k in method.reads if k != 'data'}
     if 'data' in method.reads:
       reads['data'] = self.task_data(method.split)
@@ -217,6 +235,8 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
   for settings in hyperparameter_grid(config, name):
     logging.info('%s: merging with %s', name, settings or 'defaults')
     vector = method.merge(vectors, **reads, **settings)
+    # A NaN would survive even λ = 0 (0·NaN): refuse it before it is applied or saved.
+    tree_lib.check_finite(vector.delta, f'the {name} merge with {settings or "defaults"}')
     addition = evaluate.task_addition(
         evaluator, inputs.theta0, vector, heads=inputs.heads,
         val={t: inputs.data[t].val for t in names}, test={t: inputs.data[t].test for t in names},

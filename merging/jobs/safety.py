@@ -28,6 +28,7 @@ from editing import checkpoint
 from editing import evaluate
 from editing.data import suite
 from editing.data import triggers
+from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
@@ -37,13 +38,14 @@ from merging.jobs import report
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  experiment.validate(config)
   names = experiment.tasks(config)
   regime = _regime(config)
   victims = experiment.names_from(config.safety.victims, key='config.safety.victims', kind='task',
                               known=names)
   counts = [int(c) for c in config.safety.poisoned_counts.split(',')]
   if not all(1 <= c <= len(victims) and c < len(names) for c in counts):
-    raise ValueError(f'config.safety.poisoned_counts: each count must be at least 1, at most the '
+    raise UserError(f'config.safety.poisoned_counts: each count must be at least 1, at most the '
                      f'{len(victims)} victims and fewer than the {len(names)} tasks; got {counts}')
   trigger_names = experiment.names_from(config.safety.triggers, key='config.safety.triggers',
                                         kind='trigger', known=list(triggers.REGISTRY))
@@ -144,7 +146,7 @@ def _merge_and_attack(config, name, vectors, inputs, evaluator, finetuned, direc
 def _regime(config):
   regimes = experiment.configured_regimes(config)
   if len(regimes) != 1:
-    raise ValueError(f'config.regimes: the safety experiment runs one regime, got '
+    raise UserError(f'config.regimes: the safety experiment runs one regime, got '
                      f'{[r.name for r in regimes]}')
   return regimes[0]
 
