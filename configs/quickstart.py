@@ -59,11 +59,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # cosine logits times this scale.
   config.head = ml_collections.ConfigDict(dict(logit_scale=30.0))
 
-  # Pretraining on the control task (shapes), with a cosine head learned jointly and then
-  # discarded; a learned head trains faster at a small logit scale.
+  # Pretraining (editing/jobs/pretrain.py) on `corpus`: 'shapes' (the control task) or
+  # 'captions' (`corpus_size` captioned scenes, editing/data/captions.py), with a cosine head
+  # learned jointly and then discarded; a learned head trains faster at a small logit scale.
   config.pretrain = training(steps=600, learning_rate=1e-3, weight_decay=0.05, warmup_steps=50,
                              checkpoint_every=100, log_every=50)
-  config.pretrain.logit_scale = 10.0
+  config.pretrain.update(corpus='shapes', corpus_size=200_000, logit_scale=10.0)
 
   # Fine-tuning one task on its frozen head, in every regime listed (comma-separated) of
   # full, attention_only, linearized, talos (editing/regimes/).
@@ -111,7 +112,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.suite.update(tasks='digits,colour,size', train_size=400, test_size=128,
                         pretrain_size=800)
     config.pretrain.update(steps=20, batch_size=32, warmup_steps=2, checkpoint_every=10,
-                           log_every=10)
+                           log_every=10, corpus_size=2000)
     config.finetune.update(steps=12, batch_size=32, warmup_steps=2, checkpoint_every=6,
                            log_every=6)
     config.talos.update(batch_size=8)

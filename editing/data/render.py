@@ -31,6 +31,28 @@ GLYPHS = {
 }
 
 
+# Sixteen more capitals, never a downstream label: the pretraining corpus draws its glyphs from
+# these, so that strokes are familiar to the backbone while the letters task stays unseen.
+PRETRAINING_GLYPHS = {
+    'B': ('####.', '#...#', '#...#', '####.', '#...#', '#...#', '####.'),
+    'C': ('.####', '#....', '#....', '#....', '#....', '#....', '.####'),
+    'D': ('####.', '#...#', '#...#', '#...#', '#...#', '#...#', '####.'),
+    'G': ('.####', '#....', '#....', '#.###', '#...#', '#...#', '.###.'),
+    'I': ('#####', '..#..', '..#..', '..#..', '..#..', '..#..', '#####'),
+    'J': ('..###', '....#', '....#', '....#', '#...#', '#...#', '.###.'),
+    'M': ('#...#', '##.##', '#.#.#', '#.#.#', '#...#', '#...#', '#...#'),
+    'O': ('.###.', '#...#', '#...#', '#...#', '#...#', '#...#', '.###.'),
+    'P': ('####.', '#...#', '#...#', '####.', '#....', '#....', '#....'),
+    'Q': ('.###.', '#...#', '#...#', '#...#', '#.#.#', '#..#.', '.##.#'),
+    'R': ('####.', '#...#', '#...#', '####.', '#.#..', '#..#.', '#...#'),
+    'S': ('.####', '#....', '#....', '.###.', '....#', '....#', '####.'),
+    'U': ('#...#', '#...#', '#...#', '#...#', '#...#', '#...#', '.###.'),
+    'V': ('#...#', '#...#', '#...#', '#...#', '#...#', '.#.#.', '..#..'),
+    'W': ('#...#', '#...#', '#...#', '#.#.#', '#.#.#', '##.##', '#...#'),
+    'Y': ('#...#', '#...#', '.#.#.', '..#..', '..#..', '..#..', '..#..'),
+}
+
+
 def random_color(rng: np.random.Generator, hue: float | None = None) -> np.ndarray:
   """A saturated RGB colour; a random hue unless one (in [0, 1)) is given."""
   hue = rng.uniform() if hue is None else hue
@@ -94,8 +116,10 @@ def shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float = 0.
 
 
 def glyph_mask(letter: str, x0: int, y0: int, scale: int) -> np.ndarray:
-  """A (SIZE, SIZE) mask of a 5x7 bitmap letter drawn with `scale`-pixel cells from (x0, y0)."""
-  bitmap = np.array([[c == '#' for c in row] for row in GLYPHS[letter]], np.float32)
+  """A (SIZE, SIZE) mask of a 5x7 bitmap letter (of GLYPHS or PRETRAINING_GLYPHS) drawn with
+  `scale`-pixel cells from (x0, y0)."""
+  rows = GLYPHS[letter] if letter in GLYPHS else PRETRAINING_GLYPHS[letter]
+  bitmap = np.array([[c == '#' for c in row] for row in rows], np.float32)
   cells = np.kron(bitmap, np.ones((scale, scale), np.float32))
   mask = np.zeros((SIZE, SIZE), np.float32)
   h, w = cells.shape

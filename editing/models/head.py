@@ -66,6 +66,23 @@ def cross_entropy_loss(logits_of):
   return loss_fn
 
 
+def multilabel_loss(logits_of):
+  """A loss for `editing.train.train` from logits_of(params, consts, images) -> (batch, words)
+  logits, against multi-hot targets: the mean of a sigmoid cross-entropy per word.
+
+  Returns loss_fn(params, consts, images, targets, rng) -> (loss, {'word_accuracy'}).
+  """
+
+  def loss_fn(params, consts, images, targets, rng):
+    del rng
+    scores = logits_of(params, consts, images)
+    targets = targets.astype(jnp.float32)
+    loss = optax.sigmoid_binary_cross_entropy(scores, targets).mean()
+    return loss, {'word_accuracy': jnp.mean((scores > 0) == (targets > 0))}
+
+  return loss_fn
+
+
 def frozen_head_loss(encoder, logit_scale: float):
   """The fine-tuning loss of every regime: cross-entropy of a frozen head on encoder features,
   reading θ0 and the head from consts = {'theta0': ..., 'head': ...}."""
