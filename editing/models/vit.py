@@ -3,7 +3,12 @@
 Pre-LN blocks, a class token, learned position embeddings, and separate query/key/value/output
 projections so that every attention weight is its own addressable leaf
 (``blocks_{i}/attn/{query,key,value,out}/kernel``). The encoder maps images to a normalised-free
-embedding ``proj(ln_post(x[:, 0]))``; classification heads live outside the module.
+embedding ``proj(ln_post(x[:, 0]))`` (no `proj` when embed_dim is None); classification heads
+live outside the module. The final token states are sown as ``intermediates/hidden``.
+
+With `activation='quick_gelu'`, `layer_norm_epsilon=1e-5`, CLIP's pixel mean and std and its
+sizes, it is OpenAI CLIP's vision tower exactly (`third_party/hf_clip.py` maps the weights).
+The suite's model keeps the defaults: tanh-approximated GELU and flax's LayerNorm epsilon.
 """
 
 from typing import Any
@@ -15,6 +20,11 @@ import ml_collections
 from editing.errors import UserError
 
 Dtype = Any
+ACTIVATIONS = {
+    'gelu_tanh': lambda x: nn.gelu(x, approximate=True),
+    'gelu': lambda x: nn.gelu(x, approximate=False),  # exact (erf), as HF ViT and BERT
+    'quick_gelu': lambda x: x * nn.sigmoid(1.702 * x),  # OpenAI CLIP
+}
 
 
 def _sincos_2d_init(h: int, w: int):
@@ -61,15 +71,17 @@ class Block(nn.Module):
 
   num_heads: int
   mlp_dim: int
+  activation: str = 'gelu_tanh'
+  layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    x = x + MultiHeadAttention(self.num_heads, self.dtype, name='attn')(
-        nn.LayerNorm(dtype=self.dtype, name='ln_1')(x))
-    y = nn.LayerNorm(dtype=self.dtype, name='ln_2')(x)
+    norm = lambda name: nn.LayerNorm(self.layer_norm_epsilon, dtype=self.dtype, name=name)
+    x = x + MultiHeadAttention(self.num_heads, self.dtype, name='attn')(norm('ln_1')(x))
+    y = norm('ln_2')(x)
     y = nn.Dense(self.mlp_dim, dtype=self.dtype, name='mlp_fc')(y)
-    y = nn.gelu(y)
+    y = ACTIVATIONS[self.activation](y)
     y = nn.Dense(x.shape[-1], dtype=self.dtype, name='mlp_proj')(y)
     return x + y
 
@@ -82,9 +94,11 @@ class VisionTransformer(nn.Module):
   depth: int
   num_heads: int
   mlp_dim: int
-  embed_dim: int
+  embed_dim: int | None
   pixel_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
   pixel_std: tuple[float, ...] = (0.25, 0.25, 0.25)
+  activation: str = 'gelu_tanh'
+  layer_norm_epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
 
   @nn.compact
@@ -99,16 +113,30 @@ class VisionTransformer(nn.Module):
     cls = self.param('class_embedding', nn.initializers.normal(self.width**-0.5), (self.width,))
     x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (batch, 1, self.width)), x], axis=1)
     pos = self.param('position_embedding', _sincos_2d_init(h, w), (h * w + 1, self.width))
-    x = nn.LayerNorm(dtype=self.dtype, name='ln_pre')(x + pos.astype(x.dtype))
+    norm = lambda name: nn.LayerNorm(self.layer_norm_epsilon, dtype=self.dtype, name=name)
+    x = norm('ln_pre')(x + pos.astype(x.dtype))
     for i in range(self.depth):
-      x = Block(self.num_heads, self.mlp_dim, self.dtype, name=f'blocks_{i}')(x)
-    x = nn.LayerNorm(dtype=self.dtype, name='ln_post')(x[:, 0])
+      x = Block(self.num_heads, self.mlp_dim, self.activation, self.layer_norm_epsilon,
+                self.dtype, name=f'blocks_{i}')(x)
+    self.sow('intermediates', 'hidden', x)
+    x = norm('ln_post')(x[:, 0])
+    if self.embed_dim is None:
+      return x
     return nn.Dense(self.embed_dim, use_bias=False, dtype=self.dtype, name='proj')(x)
 
 
 def build(config: ml_collections.ConfigDict) -> VisionTransformer:
-  """The encoder a `config.model` section describes."""
+  """The encoder a `config.model` section describes; keys it omits take the suite's defaults
+  (activation, layer_norm_epsilon, pixel_mean, pixel_std, dtype)."""
+  activation = config.get('activation', 'gelu_tanh')
+  if activation not in ACTIVATIONS:
+    raise UserError(f'config.model.activation = {activation!r}: must be one of '
+                    f'{sorted(ACTIVATIONS)}')
+  defaults = VisionTransformer
   return VisionTransformer(
       patch_size=config.patch_size, width=config.width, depth=config.depth,
       num_heads=config.num_heads, mlp_dim=config.mlp_dim, embed_dim=config.embed_dim,
+      pixel_mean=tuple(config.get('pixel_mean', defaults.pixel_mean)),
+      pixel_std=tuple(config.get('pixel_std', defaults.pixel_std)), activation=activation,
+      layer_norm_epsilon=config.get('layer_norm_epsilon', defaults.layer_norm_epsilon),
       dtype=jnp.dtype(config.get('dtype', 'float32')))

@@ -1,0 +1,193 @@
+"""Hugging Face checkpoints in and out: config.json plus safetensors, single or sharded.
+
+Reading is lazy, a tensor at a time (`Checkpoint.tensor`), from `model.safetensors` or the
+shards that `model.safetensors.index.json` names; pickled weights (.bin, .pt, .pth, .ckpt) are
+refused unread, with how to convert them. Importing checks every name at once: the error lists
+each tensor the model needs and the file lacks, each tensor of the model's part of the file that
+nothing reads, and each shape that differs. Tensors are read in the dtype they are stored in
+and cast to `config.model.dtype`.
+
+Writing puts config.json and safetensors shards of at most `shard_bytes` (with the index when
+there are several) into a temporary directory beside the target, then renames it into place:
+a failure leaves nothing at the target path.
+
+Families: 'clip_vision' (CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection), the key
+map in third_party/hf_clip.py.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import safetensors
+from safetensors import numpy as safetensors_np
+
+from editing import checkpoint
+from editing import tree as tree_lib
+from editing.errors import UserError
+from editing.models import keymap
+from editing.models import vit
+from third_party import hf_clip
+
+SINGLE = 'model.safetensors'
+INDEX = 'model.safetensors.index.json'
+_PICKLES = ('pytorch_model.bin', 'model.bin', 'model.pt', 'model.pth', 'model.ckpt')
+
+
+class Checkpoint:
+  """The tensors of a Hugging Face model directory, or of one .safetensors file, read lazily."""
+
+  def __init__(self, path: str):
+    self.path = path
+    if os.path.isdir(path):
+      self.config = _read_json(os.path.join(path, 'config.json'))
+      self.files = self._weight_map(path)
+    else:
+      self.config = {}
+      self.files = self._names_of(path)
+
+  def _weight_map(self, directory: str) -> dict[str, str]:
+    index, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
+    if os.path.exists(index):
+      weight_map = _read_json(index).get('weight_map')
+      if not isinstance(weight_map, dict):
+        raise UserError(f'{index} has no "weight_map" object')
+      shards = sorted(set(weight_map.values()))
+      missing = [s for s in shards if not os.path.exists(os.path.join(directory, s))]
+      if missing:
+        raise UserError(f'{index} names shard(s) {missing}, which are not in {directory}')
+      files = {}
+      for shard in shards:
+        stored = self._names_of(os.path.join(directory, shard))
+        for name, file in weight_map.items():
+          if file == shard and name not in stored:
+            raise UserError(f'{index} puts {name} in {shard}, which does not hold it')
+        files.update(stored)
+      return files
+    if os.path.exists(single):
+      return self._names_of(single)
+    pickled = [f for f in sorted(os.listdir(directory)) if f in _PICKLES or
+               f.endswith(('.bin', '.pt', '.pth', '.ckpt'))]
+    if pickled:
+      raise UserError(f'{directory} holds only pickled weights ({", ".join(pickled)}), which are '
+                      'never unpickled here; convert them to safetensors first, e.g. in PyTorch: '
+                      'model.save_pretrained(directory, safe_serialization=True)')
+    raise UserError(f'{directory} has neither {SINGLE} nor {INDEX}')
+
+  @staticmethod
+  def _names_of(file: str) -> dict[str, str]:
+    if not os.path.exists(file):
+      raise FileNotFoundError(f'no safetensors file at {file}')
+    checkpoint.refuse_pickle(file)
+    try:
+      with safetensors.safe_open(file, framework='numpy') as f:
+        return {name: file for name in f.keys()}
+    except (safetensors.SafetensorError, OSError) as e:
+      raise UserError(f'{file} is not a readable safetensors file ({e}); it may be truncated '
+                      'or corrupt') from None
+
+  def tensor(self, name: str) -> np.ndarray:
+    """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none."""
+    file = self.files[name]
+    try:
+      with safetensors.safe_open(file, framework='numpy') as f:
+        return f.get_tensor(name)
+    except (safetensors.SafetensorError, OSError) as e:
+      raise UserError(f'{file}: cannot read {name} ({e}); the file may be truncated') from None
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no {os.path.basename(path)} at {path}')
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{path} is not valid JSON ({e})') from None
+
+
+def load_clip_vision(path: str, dtype: str = 'float32') -> tuple[dict, dict]:
+  """(params, config.model) of the CLIP vision tower in a Hugging Face directory."""
+  ckpt = Checkpoint(path)
+  with_projection = any(n.startswith('visual_projection.') for n in ckpt.files)
+  model = dict(hf_clip.model_config(ckpt.config, with_projection=with_projection), dtype=dtype)
+  rules = keymap.expand(hf_clip.RULES, model['depth'])
+  if not with_projection:
+    rules = [r for r in rules if not r[0].startswith('proj/')]
+  owned = {n for n in ckpt.files if n.startswith(hf_clip.OWNED_PREFIXES)}
+  shapes = _our_shapes(model)
+  expected = {theirs: keymap.their_shape(layout, shapes[ours]) for ours, theirs, layout in rules}
+  problems = [f'missing {n}' for n in sorted(set(expected) - owned)]
+  problems += [f'unexpected {n}' for n in sorted(owned - set(expected))]
+  tensors = {}
+  for name in sorted(set(expected) & owned):
+    tensors[name] = ckpt.tensor(name)
+    if tuple(tensors[name].shape) != expected[name]:
+      problems.append(f'{name} has shape {tuple(tensors[name].shape)}, the model '
+                      f'{expected[name]}')
+  if problems:
+    raise UserError(f'{path} does not fit a CLIP vision tower of {model}: ' + '; '.join(problems))
+  flat = keymap.to_ours(rules, tensors.__getitem__, model['num_heads'])
+  params = tree_lib.unflatten({p: x.astype(dtype) for p, x in flat.items()})
+  tree_lib.check_finite(params, path)
+  return params, model
+
+
+def _our_shapes(model: dict) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of the ViT that `model` describes, without allocating it."""
+  module = vit.build(ml_collections.ConfigDict(model))
+  images = jax.ShapeDtypeStruct((1, model['image_size'], model['image_size'], 3), jnp.float32)
+  params = jax.eval_shape(module.init, jax.random.PRNGKey(0), images)['params']
+  return {p: tuple(x.shape) for p, x in tree_lib.flatten(params).items()}
+
+
+def save_clip_vision(directory: str, params: Any, model: dict, *,
+                     shard_bytes: int = 2 * 1024**3) -> None:
+  """Writes params as a CLIPVisionModelWithProjection directory that transformers loads."""
+  rules = keymap.expand(hf_clip.RULES, model['depth'])
+  tensors = keymap.to_theirs(rules, tree_lib.flatten(params))
+  save(directory, tensors, hf_clip.hf_config(model), shard_bytes=shard_bytes)
+
+
+def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
+         shard_bytes: int) -> None:
+  """config.json and the tensors in safetensors shards of at most `shard_bytes` (a tensor
+  larger than that gets a shard of its own), with the index when there are several; written
+  beside `directory` and renamed into place."""
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name in sorted(tensors):
+    nbytes = tensors[name].nbytes
+    if shards[-1] and size + nbytes > shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = tensors[name]
+    size += nbytes
+  parent = os.path.dirname(os.path.abspath(directory))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix='.tmp-' + os.path.basename(directory))
+  try:
+    names = ([SINGLE] if len(shards) == 1 else
+             [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+      with open(os.path.join(tmp, name), 'wb') as f:
+        f.write(safetensors_np.save(shard, metadata={'format': 'pt'}))
+    if len(shards) > 1:
+      index = {'metadata': {'total_size': sum(t.nbytes for t in tensors.values())},
+               'weight_map': {t: name for name, shard in zip(names, shards) for t in shard}}
+      with open(os.path.join(tmp, INDEX), 'w') as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    with open(os.path.join(tmp, 'config.json'), 'w') as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+    if os.path.exists(directory):
+      shutil.rmtree(directory)
+    os.replace(tmp, directory)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise

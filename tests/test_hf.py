@@ -1,0 +1,171 @@
+"""Hugging Face checkpoints: CLIP's vision tower in and out, against transformers' PyTorch model
+on tiny random configs the tests build and save."""
+
+import hashlib
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from editing import tree as tree_lib
+from editing.errors import UserError
+from editing.models import hf
+from editing.models import vit
+from third_party import hf_clip
+
+CONFIG = dict(hidden_size=32, intermediate_size=64, projection_dim=16, num_hidden_layers=2,
+              num_attention_heads=4, image_size=32, patch_size=8, hidden_act='quick_gelu',
+              layer_norm_eps=1e-5)
+
+
+def clip_vision(directory, *, dtype=torch.float32, **save_options):
+  """A random CLIPVisionModelWithProjection saved to `directory` (every tensor perturbed, so
+  that a LayerNorm's ones and zeros cannot hide a wrong mapping)."""
+  torch.manual_seed(0)
+  model = transformers.CLIPVisionModelWithProjection(
+      transformers.CLIPVisionConfig(**CONFIG)).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  model = model.to(dtype)
+  model.save_pretrained(directory, **save_options)
+  return model
+
+
+def images(n=3):
+  return np.random.default_rng(0).uniform(size=(n, 32, 32, 3)).astype(np.float32)
+
+
+def theirs(model, x):
+  pixels = (x - np.asarray(hf_clip.PIXEL_MEAN, np.float32)) / np.asarray(hf_clip.PIXEL_STD,
+                                                                          np.float32)
+  with torch.no_grad():
+    out = model(pixel_values=torch.from_numpy(pixels.transpose(0, 3, 1, 2)).to(model.dtype))
+  return out.last_hidden_state.float().numpy(), out.image_embeds.float().numpy()
+
+
+def ours(params, model, x):
+  module = vit.build(ml_collections.ConfigDict(model))
+  with jax.default_matmul_precision('highest'):
+    embeds, state = module.apply({'params': params}, x, mutable=['intermediates'])
+  return np.asarray(state['intermediates']['hidden'][0]), np.asarray(embeds)
+
+
+def unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize('sharded', [False, True])
+def test_clip_vision_tower_matches_transformers(tmp_path, sharded):
+  options = dict(max_shard_size='20KB') if sharded else {}
+  model = clip_vision(tmp_path, **options)
+  assert os.path.exists(tmp_path / hf.INDEX) == sharded
+  params, config = hf.load_clip_vision(str(tmp_path))
+  assert config['activation'] == 'quick_gelu' and config['layer_norm_epsilon'] == 1e-5
+  hidden, embeds = ours(params, config, images())
+  their_hidden, their_embeds = theirs(model, images())
+  assert np.abs(hidden - their_hidden).max() < 1e-4
+  assert np.abs(unit(embeds) - unit(their_embeds)).max() < 1e-5
+
+
+def test_bf16_weights_are_read_as_stored_and_cast(tmp_path):
+  clip_vision(tmp_path, dtype=torch.bfloat16)
+  stored = hf.Checkpoint(str(tmp_path)).tensor('vision_model.pre_layrnorm.weight')
+  assert stored.dtype.name == 'bfloat16'
+  params, config = hf.load_clip_vision(str(tmp_path))
+  assert params['ln_pre']['scale'].dtype == np.float32
+  np.testing.assert_array_equal(params['ln_pre']['scale'], stored.astype(np.float32))
+  assert config['dtype'] == 'float32'
+
+
+def tensor_digests(directory):
+  ckpt = hf.Checkpoint(str(directory))
+  return {n: hashlib.sha256(np.ascontiguousarray(ckpt.tensor(n)).tobytes()).hexdigest()
+          for n in ckpt.files}
+
+
+def test_import_then_export_is_bit_identical_and_transformers_loads_it(tmp_path):
+  model = clip_vision(tmp_path / 'in')
+  params, config = hf.load_clip_vision(str(tmp_path / 'in'))
+  hf.save_clip_vision(str(tmp_path / 'out'), params, config, shard_bytes=30_000)
+  assert os.path.exists(tmp_path / 'out' / hf.INDEX)
+  assert tensor_digests(tmp_path / 'out') == tensor_digests(tmp_path / 'in')
+  reloaded = transformers.CLIPVisionModelWithProjection.from_pretrained(tmp_path / 'out').eval()
+  for a, b in zip(theirs(reloaded, images()), theirs(model, images())):
+    np.testing.assert_array_equal(a, b)
+  again, _ = hf.load_clip_vision(str(tmp_path / 'out'))
+  for path, leaf in tree_lib.flatten(params).items():
+    np.testing.assert_array_equal(tree_lib.flatten(again)[path], leaf)
+
+
+def snapshot(directory):
+  return {f: hashlib.sha256(open(os.path.join(directory, f), 'rb').read()).hexdigest()
+          for f in sorted(os.listdir(directory))}
+
+
+def truncate(directory):
+  path = os.path.join(directory, hf.SINGLE)
+  data = open(path, 'rb').read()
+  open(path, 'wb').write(data[:len(data) - 100])
+
+
+def drop_a_shard(directory):
+  os.remove(os.path.join(directory, sorted(f for f in os.listdir(directory)
+                                           if f.startswith('model-'))[0]))
+
+
+def to_pickle(directory):
+  """The PyTorch-pickle form of the same checkpoint (transformers 5 saves only safetensors)."""
+  path = os.path.join(directory, hf.SINGLE)
+  tensors = {n: torch.from_numpy(hf.Checkpoint(directory).tensor(n).copy())
+             for n in hf.Checkpoint(directory).files}
+  torch.save(tensors, os.path.join(directory, 'pytorch_model.bin'))
+  os.remove(path)
+
+
+def widen(directory):
+  path = os.path.join(directory, 'config.json')
+  with open(path) as f:
+    config = json.load(f)
+  config['intermediate_size'] = 48
+  with open(path, 'w') as f:
+    json.dump(config, f)
+
+
+BAD = {
+    'truncated': (dict(), truncate, r'model.safetensors is not a readable safetensors file'),
+    'missing shard': (dict(max_shard_size='20KB'), drop_a_shard,
+                      r'index.json names shard\(s\) \[.model-00001-of-'),
+    'wrong shape': (dict(), widen, r'layers.0.mlp.fc1.weight has shape \(64, 32\), the model '
+                                   r'\(48, 32\)'),
+    'pickle': (dict(), to_pickle,
+               r'only pickled weights \(pytorch_model.bin\).*never unpickled.*safetensors'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD))
+def test_bad_checkpoints_are_named_and_nothing_is_written(tmp_path, case):
+  options, corrupt, message = BAD[case]
+  clip_vision(tmp_path, **options)
+  corrupt(str(tmp_path))
+  before = snapshot(tmp_path)
+  with pytest.raises(UserError, match=message):
+    hf.load_clip_vision(str(tmp_path))
+  assert snapshot(tmp_path) == before
+
+
+def test_a_missing_or_unexpected_tensor_is_named_with_all_the_others(tmp_path):
+  clip_vision(tmp_path)
+  ckpt = hf.Checkpoint(str(tmp_path))
+  tensors = {n: ckpt.tensor(n) for n in ckpt.files}
+  del tensors['vision_model.post_layernorm.bias']
+  tensors['vision_model.encoder.layers.7.extra'] = np.zeros(3, np.float32)
+  hf.save(str(tmp_path / 'edited'), tensors, ckpt.config, shard_bytes=10**9)
+  with pytest.raises(UserError, match=r'missing vision_model.post_layernorm.bias; unexpected '
+                                      r'vision_model.encoder.layers.7.extra'):
+    hf.load_clip_vision(str(tmp_path / 'edited'))
