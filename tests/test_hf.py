@@ -65,7 +65,7 @@ def test_clip_vision_tower_matches_transformers(tmp_path, sharded):
   options = dict(max_shard_size='20KB') if sharded else {}
   model = clip_vision(tmp_path, **options)
   assert os.path.exists(tmp_path / hf.INDEX) == sharded
-  params, config = hf.load_clip_vision(str(tmp_path))
+  params, config = hf.load(str(tmp_path), 'clip_vision')
   assert config['activation'] == 'quick_gelu' and config['layer_norm_epsilon'] == 1e-5
   hidden, embeds = ours(params, config, images())
   their_hidden, their_embeds = theirs(model, images())
@@ -77,7 +77,7 @@ def test_bf16_weights_are_read_as_stored_and_cast(tmp_path):
   clip_vision(tmp_path, dtype=torch.bfloat16)
   stored = hf.Checkpoint(str(tmp_path)).tensor('vision_model.pre_layrnorm.weight')
   assert stored.dtype.name == 'bfloat16'
-  params, config = hf.load_clip_vision(str(tmp_path))
+  params, config = hf.load(str(tmp_path), 'clip_vision')
   assert params['ln_pre']['scale'].dtype == np.float32
   np.testing.assert_array_equal(params['ln_pre']['scale'], stored.astype(np.float32))
   assert config['dtype'] == 'float32'
@@ -91,14 +91,14 @@ def tensor_digests(directory):
 
 def test_import_then_export_is_bit_identical_and_transformers_loads_it(tmp_path):
   model = clip_vision(tmp_path / 'in')
-  params, config = hf.load_clip_vision(str(tmp_path / 'in'))
-  hf.save_clip_vision(str(tmp_path / 'out'), params, config, shard_bytes=30_000)
+  params, config = hf.load(str(tmp_path / 'in'), 'clip_vision')
+  hf.export(str(tmp_path / 'out'), params, config, 'clip_vision', shard_bytes=30_000)
   assert os.path.exists(tmp_path / 'out' / hf.INDEX)
   assert tensor_digests(tmp_path / 'out') == tensor_digests(tmp_path / 'in')
   reloaded = transformers.CLIPVisionModelWithProjection.from_pretrained(tmp_path / 'out').eval()
   for a, b in zip(theirs(reloaded, images()), theirs(model, images())):
     np.testing.assert_array_equal(a, b)
-  again, _ = hf.load_clip_vision(str(tmp_path / 'out'))
+  again, _ = hf.load(str(tmp_path / 'out'), 'clip_vision')
   for path, leaf in tree_lib.flatten(params).items():
     np.testing.assert_array_equal(tree_lib.flatten(again)[path], leaf)
 
@@ -155,7 +155,7 @@ def test_bad_checkpoints_are_named_and_nothing_is_written(tmp_path, case):
   corrupt(str(tmp_path))
   before = snapshot(tmp_path)
   with pytest.raises(UserError, match=message):
-    hf.load_clip_vision(str(tmp_path))
+    hf.load(str(tmp_path), 'clip_vision')
   assert snapshot(tmp_path) == before
 
 
@@ -168,4 +168,4 @@ def test_a_missing_or_unexpected_tensor_is_named_with_all_the_others(tmp_path):
   hf.save(str(tmp_path / 'edited'), tensors, ckpt.config, shard_bytes=10**9)
   with pytest.raises(UserError, match=r'missing vision_model.post_layernorm.bias; unexpected '
                                       r'vision_model.encoder.layers.7.extra'):
-    hf.load_clip_vision(str(tmp_path / 'edited'))
+    hf.load(str(tmp_path / 'edited'), 'clip_vision')

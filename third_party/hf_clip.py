@@ -60,7 +60,7 @@ def model_config(config: dict, *, with_projection: bool) -> dict:
   act = vision.get('hidden_act', 'quick_gelu')
   if act not in ACTIVATIONS:
     raise ValueError(f'hidden_act {act!r} has no counterpart here; known: {sorted(ACTIVATIONS)}')
-  return {'patch_size': vision['patch_size'], 'width': vision['hidden_size'],
+  return {'family': 'vit', 'patch_size': vision['patch_size'], 'width': vision['hidden_size'],
           'depth': vision['num_hidden_layers'], 'num_heads': vision['num_attention_heads'],
           'mlp_dim': vision['intermediate_size'],
           'embed_dim': vision['projection_dim'] if with_projection else None,

@@ -11,15 +11,17 @@ Writing puts config.json and safetensors shards of at most `shard_bytes` (with t
 there are several) into a temporary directory beside the target, then renames it into place:
 a failure leaves nothing at the target path.
 
-Families: 'clip_vision' (CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection), the key
-map in third_party/hf_clip.py.
+Families (`FAMILIES`), each with its key map in third_party/: 'clip_vision' (the vision tower of
+CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection; hf_clip.py) and 'bert' (BertModel,
+and the `bert.` part of BERT task models; hf_bert.py).
 """
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +33,10 @@ from safetensors import numpy as safetensors_np
 from editing import checkpoint
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.models import bert
 from editing.models import keymap
 from editing.models import vit
+from third_party import hf_bert
 from third_party import hf_clip
 
 SINGLE = 'model.safetensors'
@@ -112,16 +116,64 @@ def _read_json(path: str) -> dict:
     raise UserError(f'{path} is not valid JSON ({e})') from None
 
 
-def load_clip_vision(path: str, dtype: str = 'float32') -> tuple[dict, dict]:
-  """(params, config.model) of the CLIP vision tower in a Hugging Face directory."""
-  ckpt = Checkpoint(path)
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How one model family's Hugging Face checkpoints map onto an editmerge module."""
+
+  rules: tuple  # keymap rules (our path, their name, layout)
+  model_config: Callable[['Checkpoint'], dict]  # our config.model from the checkpoint
+  hf_config: Callable[[dict], dict]  # their config.json from our config.model
+  build: Callable[[ml_collections.ConfigDict], Any]  # the flax module
+  example_inputs: Callable[[dict], tuple]  # inputs that trace the module (shapes only)
+  owned: Callable[[str], bool]  # which of a file's tensors belong to this model
+  ignored: tuple[str, ...] = ()  # saved buffers that are not parameters
+  prefix: str = ''  # present in task models' checkpoints (e.g. 'bert.'), stripped
+
+
+def _clip_model_config(ckpt: 'Checkpoint') -> dict:
   with_projection = any(n.startswith('visual_projection.') for n in ckpt.files)
-  model = dict(hf_clip.model_config(ckpt.config, with_projection=with_projection), dtype=dtype)
-  rules = keymap.expand(hf_clip.RULES, model['depth'])
-  if not with_projection:
-    rules = [r for r in rules if not r[0].startswith('proj/')]
-  owned = {n for n in ckpt.files if n.startswith(hf_clip.OWNED_PREFIXES)}
-  shapes = _our_shapes(model)
+  return hf_clip.model_config(ckpt.config, with_projection=with_projection)
+
+
+def _bert_model_config(ckpt: 'Checkpoint') -> dict:
+  """BertModel's config; mean pooling unless a sentence-transformers pooling config says CLS."""
+  pooling = 'mean'
+  pooling_file = os.path.join(ckpt.path, '1_Pooling', 'config.json')
+  if os.path.isdir(ckpt.path) and os.path.exists(pooling_file):
+    if _read_json(pooling_file).get('pooling_mode_cls_token'):
+      pooling = 'cls'
+  return hf_bert.model_config(ckpt.config, pooling=pooling)
+
+
+FAMILIES = {
+    'clip_vision': Family(
+        rules=hf_clip.RULES, model_config=_clip_model_config, hf_config=hf_clip.hf_config,
+        build=vit.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct(
+            (1, m['image_size'], m['image_size'], 3), jnp.float32),),
+        owned=lambda name: name.startswith(hf_clip.OWNED_PREFIXES)),
+    'bert': Family(
+        rules=hf_bert.RULES, model_config=_bert_model_config, hf_config=hf_bert.hf_config,
+        build=bert.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct((1, 8), jnp.int32),
+                                  jax.ShapeDtypeStruct((1, 8), jnp.int32)),
+        owned=lambda name: not name.startswith(('cls.', 'classifier.', 'qa_outputs.')),
+        ignored=hf_bert.IGNORED, prefix='bert.'),
+}
+
+
+def load(path: str, family: str, dtype: str = 'float32') -> tuple[dict, dict]:
+  """(params, config.model) of a `family` model in a Hugging Face directory or file."""
+  fam = FAMILIES[family]
+  ckpt = Checkpoint(path)
+  model = dict(fam.model_config(ckpt), dtype=dtype)
+  prefix = fam.prefix if any(n.startswith(fam.prefix) for n in ckpt.files) and fam.prefix else ''
+  shapes = _our_shapes(fam, model)
+  rules = [(ours, prefix + theirs, layout)
+           for ours, theirs, layout in keymap.expand(fam.rules, model['depth']) if ours in shapes]
+  ignored = {prefix + n for n in fam.ignored}
+  owned = {n for n in ckpt.files
+           if n.startswith(prefix) and fam.owned(n[len(prefix):]) and n not in ignored}
   expected = {theirs: keymap.their_shape(layout, shapes[ours]) for ours, theirs, layout in rules}
   problems = [f'missing {n}' for n in sorted(set(expected) - owned)]
   problems += [f'unexpected {n}' for n in sorted(owned - set(expected))]
@@ -132,27 +184,26 @@ def load_clip_vision(path: str, dtype: str = 'float32') -> tuple[dict, dict]:
       problems.append(f'{name} has shape {tuple(tensors[name].shape)}, the model '
                       f'{expected[name]}')
   if problems:
-    raise UserError(f'{path} does not fit a CLIP vision tower of {model}: ' + '; '.join(problems))
+    raise UserError(f'{path} does not fit a {family} model of {model}: ' + '; '.join(problems))
   flat = keymap.to_ours(rules, tensors.__getitem__, model['num_heads'])
   params = tree_lib.unflatten({p: x.astype(dtype) for p, x in flat.items()})
   tree_lib.check_finite(params, path)
   return params, model
 
 
-def _our_shapes(model: dict) -> dict[str, tuple[int, ...]]:
-  """{path: shape} of the ViT that `model` describes, without allocating it."""
-  module = vit.build(ml_collections.ConfigDict(model))
-  images = jax.ShapeDtypeStruct((1, model['image_size'], model['image_size'], 3), jnp.float32)
-  params = jax.eval_shape(module.init, jax.random.PRNGKey(0), images)['params']
-  return {p: tuple(x.shape) for p, x in tree_lib.flatten(params).items()}
+def _our_shapes(fam: Family, model: dict) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of the module `model` describes, without allocating it."""
+  module = fam.build(ml_collections.ConfigDict(model))
+  params = jax.eval_shape(module.init, jax.random.PRNGKey(0), *fam.example_inputs(model))
+  return {p: tuple(x.shape) for p, x in tree_lib.flatten(params['params']).items()}
 
 
-def save_clip_vision(directory: str, params: Any, model: dict, *,
-                     shard_bytes: int = 2 * 1024**3) -> None:
-  """Writes params as a CLIPVisionModelWithProjection directory that transformers loads."""
-  rules = keymap.expand(hf_clip.RULES, model['depth'])
-  tensors = keymap.to_theirs(rules, tree_lib.flatten(params))
-  save(directory, tensors, hf_clip.hf_config(model), shard_bytes=shard_bytes)
+def export(directory: str, params: Any, model: dict, family: str, *,
+           shard_bytes: int = 2 * 1024**3) -> None:
+  """Writes params as a Hugging Face directory of `family` that transformers loads."""
+  fam = FAMILIES[family]
+  tensors = keymap.to_theirs(keymap.expand(fam.rules, model['depth']), tree_lib.flatten(params))
+  save(directory, tensors, fam.hf_config(model), shard_bytes=shard_bytes)
 
 
 def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,

@@ -48,13 +48,14 @@ def _sincos_2d_init(h: int, w: int):
 
 
 class MultiHeadAttention(nn.Module):
-  """Softmax attention with four separate projections (Wq, Wk, Wv, Wo)."""
+  """Softmax attention with four separate projections (Wq, Wk, Wv, Wo); `mask`, broadcast to
+  (batch, heads, queries, keys), is True where a query may attend."""
 
   num_heads: int
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, mask=None):
     width = x.shape[-1]
     if width % self.num_heads:
       raise UserError(f'width {width} is not divisible by num_heads {self.num_heads}')
@@ -62,7 +63,7 @@ class MultiHeadAttention(nn.Module):
     dense = lambda name: nn.DenseGeneral(
         (self.num_heads, head_dim), dtype=self.dtype, name=name)
     q, k, v = dense('query')(x), dense('key')(x), dense('value')(x)
-    y = nn.dot_product_attention(q, k, v, dtype=self.dtype)
+    y = nn.dot_product_attention(q, k, v, mask=mask, dtype=self.dtype)
     return nn.DenseGeneral(width, axis=(-2, -1), dtype=self.dtype, name='out')(y)
 
 
