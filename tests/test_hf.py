@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: CLIP's vision tower in and out, against transformers' PyTorch model
+"""Hugging Face checkpoints: CLIP's towers in and out, against transformers' PyTorch model
 on tiny random configs the tests build and save."""
 
 import hashlib
@@ -14,6 +14,7 @@ import transformers
 
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.models import clip_text
 from editing.models import hf
 from editing.models import vit
 from third_party import hf_clip
@@ -169,3 +170,55 @@ def test_a_missing_or_unexpected_tensor_is_named_with_all_the_others(tmp_path):
   with pytest.raises(UserError, match=r'missing vision_model.post_layernorm.bias; unexpected '
                                       r'vision_model.encoder.layers.7.extra'):
     hf.load(str(tmp_path / 'edited'), 'clip_vision')
+
+
+TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=64, projection_dim=16,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+            hidden_act='quick_gelu', layer_norm_eps=1e-5, eos_token_id=98, pad_token_id=1)
+
+
+def test_clip_text_tower_matches_transformers_and_exports_bit_identically(tmp_path):
+  torch.manual_seed(0)
+  model = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**TEXT)).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  model.save_pretrained(tmp_path / 'in')
+  params, config = hf.load(str(tmp_path / 'in'), 'clip_text')
+  rng = np.random.default_rng(0)
+  lengths = np.array([3, 16, 9])
+  ids = rng.integers(2, 98, (3, 16)).astype(np.int32)
+  ids[np.arange(3), lengths - 1] = 98  # the end-of-text token closes each text
+  mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int32)
+  ids = np.where(mask, ids, 1)
+  module = clip_text.build(ml_collections.ConfigDict(config))
+  with jax.default_matmul_precision('highest'):
+    embeds, state = module.apply({'params': params}, ids, mask, mutable=['intermediates'])
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(ids).long(),
+                attention_mask=torch.from_numpy(mask).long())
+  hidden = np.asarray(state['intermediates']['hidden'][0])
+  real = mask.astype(bool)
+  assert np.abs(hidden - out.last_hidden_state.numpy())[real].max() < 1e-4
+  assert np.abs(unit(np.asarray(embeds)) - unit(out.text_embeds.numpy())).max() < 1e-5
+  hf.export(str(tmp_path / 'out'), params, config, 'clip_text')
+  assert tensor_digests(tmp_path / 'out') == {
+      n: h for n, h in tensor_digests(tmp_path / 'in').items() if n not in hf_clip.TEXT_IGNORED}
+  reloaded = transformers.CLIPTextModelWithProjection.from_pretrained(tmp_path / 'out').eval()
+  with torch.no_grad():
+    again = reloaded(input_ids=torch.from_numpy(ids).long(),
+                     attention_mask=torch.from_numpy(mask).long())
+  np.testing.assert_array_equal(again.text_embeds.numpy(), out.text_embeds.numpy())
+
+
+def test_a_clip_model_checkpoint_gives_both_towers(tmp_path):
+  torch.manual_seed(0)
+  model = transformers.CLIPModel(transformers.CLIPConfig(
+      text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval()
+  model.save_pretrained(tmp_path)
+  vision, vision_config = hf.load(str(tmp_path), 'clip_vision')
+  text_params, text_config = hf.load(str(tmp_path), 'clip_text')
+  assert vision_config['embed_dim'] == text_config['embed_dim'] == 16
+  assert 'proj' in vision and 'proj' in text_params
+  scale = hf.Checkpoint(str(tmp_path)).tensor('logit_scale')
+  np.testing.assert_allclose(np.exp(scale), model.logit_scale.exp().item(), rtol=1e-6)

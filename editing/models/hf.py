@@ -11,9 +11,9 @@ Writing puts config.json and safetensors shards of at most `shard_bytes` (with t
 there are several) into a temporary directory beside the target, then renames it into place:
 a failure leaves nothing at the target path.
 
-Families (`FAMILIES`), each with its key map in third_party/: 'clip_vision' (the vision tower of
-CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection; hf_clip.py) and 'bert' (BertModel,
-and the `bert.` part of BERT task models; hf_bert.py).
+Families (`FAMILIES`), each with its key map in third_party/: 'clip_vision' and 'clip_text' (the
+towers of CLIPModel and of CLIP{Vision,Text}Model[WithProjection]; hf_clip.py) and 'bert'
+(BertModel, and the `bert.` part of BERT task models; hf_bert.py).
 """
 
 import dataclasses
@@ -34,6 +34,7 @@ from editing import checkpoint
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import bert
+from editing.models import clip_text
 from editing.models import keymap
 from editing.models import vit
 from third_party import hf_bert
@@ -135,6 +136,11 @@ def _clip_model_config(ckpt: 'Checkpoint') -> dict:
   return hf_clip.model_config(ckpt.config, with_projection=with_projection)
 
 
+def _clip_text_model_config(ckpt: 'Checkpoint') -> dict:
+  with_projection = any(n.startswith('text_projection.') for n in ckpt.files)
+  return hf_clip.text_model_config(ckpt.config, with_projection=with_projection)
+
+
 def _bert_model_config(ckpt: 'Checkpoint') -> dict:
   """BertModel's config; mean pooling unless a sentence-transformers pooling config says CLS."""
   pooling = 'mean'
@@ -152,6 +158,13 @@ FAMILIES = {
         example_inputs=lambda m: (jax.ShapeDtypeStruct(
             (1, m['image_size'], m['image_size'], 3), jnp.float32),),
         owned=lambda name: name.startswith(hf_clip.OWNED_PREFIXES)),
+    'clip_text': Family(
+        rules=hf_clip.TEXT_RULES, model_config=_clip_text_model_config,
+        hf_config=hf_clip.text_hf_config, build=clip_text.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct((1, m['context_length']), jnp.int32),
+                                  jax.ShapeDtypeStruct((1, m['context_length']), jnp.int32)),
+        owned=lambda name: name.startswith(hf_clip.TEXT_OWNED_PREFIXES),
+        ignored=hf_clip.TEXT_IGNORED),
     'bert': Family(
         rules=hf_bert.RULES, model_config=_bert_model_config, hf_config=hf_bert.hf_config,
         build=bert.build,

@@ -77,9 +77,9 @@ class Block(nn.Module):
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, mask=None):
     norm = lambda name: nn.LayerNorm(self.layer_norm_epsilon, dtype=self.dtype, name=name)
-    x = x + MultiHeadAttention(self.num_heads, self.dtype, name='attn')(norm('ln_1')(x))
+    x = x + MultiHeadAttention(self.num_heads, self.dtype, name='attn')(norm('ln_1')(x), mask)
     y = norm('ln_2')(x)
     y = nn.Dense(self.mlp_dim, dtype=self.dtype, name='mlp_fc')(y)
     y = ACTIVATIONS[self.activation](y)
