@@ -11,6 +11,7 @@ loss check, progress on the console, and metrics as JSONL and TensorBoard events
 import json
 import os
 import signal
+from concurrent import futures
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -231,7 +232,8 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     params: the full initial params tree.
     trainable: {path: bool}; frozen leaves are never differentiated and get no optimizer state.
     consts: arrays the loss reads but never trains (e.g. θ0, a frozen head), as jit arguments.
-    data: the training set.
+    data: the training set: the suite's `Dataset`, or any object with `len` and
+      batch(indices) -> (images, labels) (e.g. `editing.data.images.ImageDataset`).
     workdir: where checkpoints, metrics.jsonl and TensorBoard events go.
     mesh: the device mesh; batches are split over its 'data' axis.
     sharding_rules: (regex, partition spec) pairs placing the params; first match wins.
@@ -253,11 +255,17 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
   start = int(state.step)
   writer = _MetricWriter(workdir, start)
   timer = (time.time(), start)
+  # The next batch is read (and, for real images, decoded) in a thread while the device runs
+  # the current step; its indices are a pure function of the step, so the order is unchanged.
+  read = lambda step: data.batch(batch_indices(len(data), config.batch_size, step, config.seed))
   try:
-    with _SigtermFlag() as sigterm:
+    with _SigtermFlag() as sigterm, futures.ThreadPoolExecutor(1) as reader:
+      upcoming = reader.submit(read, start) if start < config.steps else None
       for step in range(start, config.steps):
-        idx = batch_indices(len(data), config.batch_size, step, config.seed)
-        images, labels = jax.device_put(data.batch(idx), batch)
+        host_batch = upcoming.result()
+        if step + 1 < config.steps:
+          upcoming = reader.submit(read, step + 1)
+        images, labels = jax.device_put(host_batch, batch)
         state, metrics = step_jit(state, inputs, images, labels)
         done = step + 1
         # Checked every step, before saving, so that no checkpoint ever holds a diverged state.

@@ -1,0 +1,158 @@
+"""Real image datasets from local disk, decoded a batch at a time.
+
+Three layouts people keep the 8-task benchmark in:
+
+  folder(root, split)   class-per-folder trees with split subfolders (torchvision's ImageFolder:
+                        <root>/<split>/<class>/<image>), classes in sorted order
+  parquet(path)         Hugging Face dataset exports: an image column (a struct with encoded
+                        `bytes`, or raw bytes) and an integer label column
+  npz(path)             arrays `images` (N, H, W, 3) uint8 and `labels` (N,)
+
+Each gives an `ImageDataset`, which the one training loop and the evaluator read like the
+built-in suite's `Dataset`: `len`, `labels`, `batch(indices) -> (float32 images in [0, 1],
+labels)`, `take(n)`. Only the labels live in memory; an image is read and decoded when a batch
+asks for it, then resized as CLIP's preprocessing does (`Preprocess`: the shorter side to
+`size` by bicubic resampling, a centre crop; the model standardises with its own pixel mean and
+std). Parquet row groups are read once each through a small cache, so a batch touches only the
+groups its rows are in.
+
+The training loop prepares the next batch in a background thread while the device runs the
+current step (`editing.train`), which keeps decoding off the critical path. grain is not used:
+batch order here is a pure function of the step (resuming recomputes it), which is what grain's
+checkpointable iterators would otherwise provide, and a thread per loop covers decoding at the
+batch sizes these jobs use.
+"""
+
+import collections
+import dataclasses
+import io
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+from PIL import Image
+
+from editing.errors import UserError
+
+_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.tif', '.tiff', '.webp', '.ppm')
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+  """An RGB image -> (size, size, 3) float32 in [0, 1]: shorter side to `size` (bicubic),
+  centre crop."""
+
+  size: int = 224
+
+  def __call__(self, image: Image.Image) -> np.ndarray:
+    image = image.convert('RGB')
+    width, height = image.size
+    scale = self.size / min(width, height)
+    resized = (max(self.size, round(width * scale)), max(self.size, round(height * scale)))
+    image = image.resize(resized, Image.BICUBIC)
+    left, top = (resized[0] - self.size) // 2, (resized[1] - self.size) // 2
+    image = image.crop((left, top, left + self.size, top + self.size))
+    return np.asarray(image, np.float32) / 255.0
+
+
+class ImageDataset:
+  """Images read through `read(index) -> PIL image`, labels in memory."""
+
+  def __init__(self, read: Callable[[int], Image.Image], labels: np.ndarray,
+               preprocess: Preprocess, classes: Sequence[str] | None = None):
+    self._read = read
+    self.labels = np.asarray(labels, np.int32)
+    self.preprocess = preprocess
+    self.classes = list(classes) if classes is not None else None
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def batch(self, indices) -> tuple[np.ndarray, np.ndarray]:
+    indices = np.asarray(indices)
+    images = np.stack([self.preprocess(self._read(int(i))) for i in indices])
+    return images, self.labels[indices]
+
+  def take(self, n: int) -> 'ImageDataset':
+    """The first n examples (all of them if there are fewer)."""
+    return ImageDataset(self._read, self.labels[:n], self.preprocess, self.classes)
+
+
+def folder(root: str, split: str, preprocess: Preprocess = Preprocess()) -> ImageDataset:
+  """<root>/<split>/<class>/<image files>, classes in sorted order."""
+  directory = os.path.join(root, split)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'no split folder {directory}')
+  classes = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d)))
+  if not classes:
+    raise UserError(f'{directory} holds no class folders (<class>/<image>)')
+  paths, labels = [], []
+  for label, name in enumerate(classes):
+    files = sorted(f for f in os.listdir(os.path.join(directory, name))
+                   if f.lower().endswith(_EXTENSIONS))
+    paths += [os.path.join(directory, name, f) for f in files]
+    labels += [label] * len(files)
+  if not paths:
+    raise UserError(f'{directory} holds no images with extensions {_EXTENSIONS}')
+  return ImageDataset(lambda i: _open(paths[i]), np.asarray(labels), preprocess, classes)
+
+
+def _open(path: str) -> Image.Image:
+  try:
+    image = Image.open(path)
+    image.load()
+    return image
+  except (OSError, ValueError) as e:
+    raise UserError(f'{path} is not a readable image ({e})') from None
+
+
+def npz(path: str, preprocess: Preprocess = Preprocess()) -> ImageDataset:
+  """Arrays `images` (N, H, W, 3) uint8 and `labels` (N,) in one .npz (refused if pickled)."""
+  try:
+    with np.load(path, allow_pickle=False) as arrays:
+      images, labels = arrays['images'], arrays['labels']
+  except KeyError as e:
+    raise UserError(f'{path} lacks the array {e}; it needs "images" and "labels"') from None
+  except ValueError as e:
+    raise UserError(f'{path}: {e} (object arrays are pickles, refused)') from None
+  if images.ndim != 4 or images.shape[-1] != 3 or len(images) != len(labels):
+    raise UserError(f'{path}: images {images.shape} and labels {labels.shape} are not '
+                    '(N, H, W, 3) and (N,)')
+  return ImageDataset(lambda i: Image.fromarray(np.asarray(images[i], np.uint8)), labels,
+                      preprocess)
+
+
+def parquet(path: str, preprocess: Preprocess = Preprocess(), *, image_column: str = 'image',
+            label_column: str = 'label', cached_groups: int = 8) -> ImageDataset:
+  """A Hugging Face dataset's parquet export; its image column is read a row group at a time."""
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  try:
+    file = pq.ParquetFile(path)
+  except (OSError, ValueError) as e:
+    raise UserError(f'{path} is not a readable parquet file ({e})') from None
+  columns = file.schema_arrow.names
+  missing = [c for c in (image_column, label_column) if c not in columns]
+  if missing:
+    raise UserError(f'{path} has no column(s) {missing}; it has {columns}')
+  labels = file.read(columns=[label_column]).column(label_column).to_numpy()
+  starts = np.cumsum([0] + [file.metadata.row_group(g).num_rows
+                            for g in range(file.num_row_groups)])
+  cache: collections.OrderedDict = collections.OrderedDict()
+
+  def group(g: int) -> list:
+    if g not in cache:
+      cache[g] = file.read_row_group(g, columns=[image_column]).column(image_column).to_pylist()
+      if len(cache) > cached_groups:
+        cache.popitem(last=False)
+    return cache[g]
+
+  def read(i: int) -> Image.Image:
+    g = int(np.searchsorted(starts, i, side='right') - 1)
+    value = group(g)[i - starts[g]]
+    data = value['bytes'] if isinstance(value, dict) else value
+    try:
+      return Image.open(io.BytesIO(data))
+    except (OSError, ValueError, TypeError) as e:
+      raise UserError(f'{path}: row {i} of {image_column} is not an encoded image ({e})') from None
+
+  return ImageDataset(read, labels, preprocess)
