@@ -1,0 +1,33 @@
+r"""Merging Hugging Face checkpoints, a tensor at a time (merging/jobs/checkpoints.py).
+
+  python -m launch.merge_checkpoints --config.base=/models/base \
+      --config.models=/models/math,/models/code --config.method=ties --config.scale=1.0 \
+      --config.output=/models/merged
+  python -m launch.merge_checkpoints --config.base=/models/base --config.models=/models/toxic \
+      --config.method=negation --config.scale=0.5 --config.output=/models/detoxified
+
+Methods: averaging, task_arithmetic, ties (per tensor), dare, breadcrumbs, consensus (the same
+functions as merging/), negation (θ0 − λτ) and extract (write τ).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  del arg
+  config = ml_collections.ConfigDict()
+  config.base = ''  # a Hugging Face directory or one .safetensors file
+  config.models = ''  # the fine-tuned checkpoints, comma-separated
+  config.output = ''  # default: <workdir>/merged
+  config.method = 'task_arithmetic'
+  config.scale = 1.0  # λ in θ0 + λ·τ_m (θ0 − λ·τ for negation)
+  config.seed = 0  # DARE's key; each tensor's draw is keyed by its name
+  config.shard_bytes = 2 * 1024**3
+  config.allow_nonfinite = False
+  # The methods' settings (merging/<method>.py); TIES ranks each tensor on its own here.
+  config.ties = ml_collections.ConfigDict(dict(density=0.2, scope='tensor'))
+  config.dare = ml_collections.ConfigDict(dict(p=0.5, then='task_arithmetic', density=0.2,
+                                               scope='tensor'))
+  config.breadcrumbs = ml_collections.ConfigDict(dict(top=0.01, bottom=0.89))
+  config.consensus = ml_collections.ConfigDict(dict(min_tasks=2, tall_lambda=0.5))
+  return config

@@ -1,0 +1,225 @@
+"""Merging Hugging Face checkpoints of any size, a tensor at a time, through `merging`'s methods.
+
+A base checkpoint θ0 and N fine-tuned checkpoints of the same architecture (any: an LLM, a ViT)
+are read lazily (`editing.models.hf.Checkpoint`, one tensor of each at a time). For every
+tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in float32) become one-leaf task
+vectors keyed by that name, the configured method merges them (the same function the suite's
+merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither on
+order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
+
+  averaging, task_arithmetic, ties (scope 'tensor'), dare, breadcrumbs, consensus
+                 θ0 + λ·merge(τ_1..τ_N)
+  negation       θ0 − λ·τ_1 (one fine-tuned model)
+  extract        τ_1 itself, in float32 (one fine-tuned model)
+
+Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
+Face directory: safetensors shards of at most `shard_bytes` with their index, and the base's
+config.json and tokenizer files. It is built in `<output>.partial/`, each shard written to a
+temporary name and renamed, and the directory renamed into place at the end; the shard plan is
+a pure function of the inputs, so a run killed at any point and rerun keeps the finished shards
+and writes the same bytes as an uninterrupted run.
+"""
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from safetensors import numpy as safetensors_np
+
+import merging
+from editing import checkpoint
+from editing.errors import UserError
+from editing.models import hf
+from editing.task_vector import TaskVector
+
+DATA_FREE = ('averaging', 'task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus')
+SINGLE_MODEL = ('negation', 'extract')
+METHODS = DATA_FREE + SINGLE_MODEL
+_COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
+           'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a merge does: the method, its settings, λ and the output's shard size."""
+
+  method: str
+  settings: dict
+  scale: float = 1.0  # λ
+  seed: int = 0  # DARE's key
+  shard_bytes: int = 2 * 1024**3
+  allow_nonfinite: bool = False
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      reads = merging.REGISTRY.get(self.method)
+      if reads is not None:
+        raise UserError(f'{self.method} reads data ({", ".join(reads.reads)}); checkpoint '
+                        f'merging runs only the data-free methods {METHODS}')
+      raise UserError(f'unknown checkpoint merge method {self.method!r}; known: {METHODS}')
+    trims = self.method == 'ties' or (self.method == 'dare' and
+                                      self.settings.get('then') == 'ties')
+    if trims and self.settings.get('scope') != 'tensor':
+      raise UserError(f"{self.method}: checkpoint merging ranks magnitudes per tensor; set "
+                      "scope='tensor'")
+    if self.shard_bytes < 1:
+      raise UserError(f'shard_bytes = {self.shard_bytes}: must be positive')
+
+
+def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
+  """Merges `models` onto `base` into the Hugging Face directory `output`; returns a summary."""
+  if plan.method in SINGLE_MODEL and len(models) != 1:
+    raise UserError(f'{plan.method} takes exactly one fine-tuned model, got {len(models)}')
+  if not models:
+    raise UserError('no fine-tuned model to merge')
+  base_ckpt = hf.Checkpoint(base)
+  ckpts = [hf.Checkpoint(m) for m in models]
+  names = sorted(base_ckpt.files)
+  for path, ckpt in zip(models, ckpts):
+    missing = sorted(set(names) - set(ckpt.files))
+    extra = sorted(set(ckpt.files) - set(names))
+    if missing or extra:
+      raise UserError(f'{path} does not have the tensors of {base}: missing {missing[:5]}'
+                      f'{"..." if len(missing) > 5 else ""}, extra {extra[:5]}'
+                      f'{"..." if len(extra) > 5 else ""}')
+  shards = _shards(base_ckpt, names, plan)
+  partial = output.rstrip('/') + '.partial'
+  os.makedirs(partial, exist_ok=True)
+  labels = tuple(f'model_{i}' for i in range(len(models)))
+  key = jax.random.PRNGKey(plan.seed)
+  start, done_bytes, total_bytes = time.time(), 0, sum(s['bytes'] for s in shards)
+  for shard in shards:
+    path = os.path.join(partial, shard['file'])
+    if not os.path.exists(path):
+      tensors = {name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan)
+                 for name in shard['names']}
+      checkpoint.atomic_write_bytes(path, safetensors_np.save(tensors, metadata={'format': 'pt'}))
+    done_bytes += shard['bytes']
+    elapsed = time.time() - start
+    logging.info('%s: %d of %d bytes, %.1f MB/s, eta %.0f s', shard['file'], done_bytes,
+                 total_bytes, done_bytes / 1e6 / max(elapsed, 1e-9),
+                 (total_bytes - done_bytes) / max(done_bytes / max(elapsed, 1e-9), 1e-9))
+  _finish(base, partial, output, shards)
+  return {'output': output, 'tensors': len(names), 'shards': len(shards),
+          'bytes': total_bytes, 'seconds': time.time() - start}
+
+
+def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
+  """Consecutive names grouped into shards of at most plan.shard_bytes of output."""
+  shards: list[dict] = []
+  for name in names:
+    shape, dtype = _header(base, name)
+    # τ is written in float32; merged weights in the base's dtype.
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    itemsize = 4 if plan.method == 'extract' and floating else np.dtype(dtype).itemsize
+    nbytes = int(np.prod(shape)) * itemsize
+    if not shards or (shards[-1]['bytes'] + nbytes > plan.shard_bytes and shards[-1]['names']):
+      shards.append({'names': [], 'bytes': 0})
+    shards[-1]['names'].append(name)
+    shards[-1]['bytes'] += nbytes
+  for i, shard in enumerate(shards):
+    shard['file'] = (hf.SINGLE if len(shards) == 1 else
+                     f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors')
+  return shards
+
+
+def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], Any]:
+  """A tensor's shape and numpy dtype, from the file's header alone."""
+  import safetensors  # pylint: disable=g-import-not-at-top
+  with safetensors.safe_open(ckpt.files[name], framework='numpy') as f:
+    sliced = f.get_slice(name)
+    dtype = {'F32': np.float32, 'F16': np.float16, 'BF16': jnp.bfloat16, 'F64': np.float64,
+             'I64': np.int64, 'I32': np.int32, 'U8': np.uint8, 'BOOL': np.bool_}
+    return tuple(sliced.get_shape()), dtype.get(sliced.get_dtype(), np.float32)
+
+
+def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarray:
+  base = base_ckpt.tensor(name)
+  thetas = [c.tensor(name) for c in ckpts]
+  for path, theta in zip(models, thetas):
+    if theta.shape != base.shape or theta.dtype != base.dtype:
+      raise UserError(f'{path}: {name} is {theta.dtype}{list(theta.shape)}, the base '
+                      f'{base.dtype}{list(base.shape)}')
+  if not plan.allow_nonfinite:
+    for path, x in [(base_ckpt.path, base)] + list(zip(models, thetas)):
+      if np.issubdtype(np.asarray(x).dtype, np.integer) or np.asarray(x).dtype == np.bool_:
+        continue
+      if not np.isfinite(np.asarray(x, np.float32)).all():
+        raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
+                        'allow_nonfinite to merge it anyway')
+  if not jnp.issubdtype(base.dtype, jnp.floating):
+    return base  # integer buffers (position ids, masks) are not weights
+  vectors = [TaskVector({name: jnp.asarray(theta, jnp.float32) - jnp.asarray(base, jnp.float32)},
+                        (label,), 'full', 'streamed') for theta, label in zip(thetas, labels)]
+  if plan.method == 'extract':
+    return np.asarray(vectors[0].delta[name], np.float32)
+  if plan.method == 'negation':
+    merged, scale = vectors[0], -plan.scale
+  else:
+    method = merging.get(plan.method)
+    reads = {'key': key} if 'key' in method.reads else {}
+    merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
+  return np.asarray(merged.apply_to({name: jnp.asarray(base)}, scale)[name])
+
+
+def _finish(base: str, partial: str, output: str, shards: list[dict]) -> None:
+  if len(shards) > 1:
+    index = {'metadata': {'total_size': sum(s['bytes'] for s in shards)},
+             'weight_map': {n: s['file'] for s in shards for n in s['names']}}
+    checkpoint.atomic_write_json(os.path.join(partial, hf.INDEX), index)
+  if os.path.isdir(base):
+    for name in _COPIED:
+      if os.path.exists(os.path.join(base, name)):
+        shutil.copy(os.path.join(base, name), os.path.join(partial, name))
+  if os.path.exists(output):
+    shutil.rmtree(output)
+  os.replace(partial, output)
+  logging.info('merged checkpoint in %s', output)
+
+
+def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndarray]:
+  """The same merge over whole models at once: the reference the streamed result must equal."""
+  base_ckpt = hf.Checkpoint(base)
+  theta0 = {n: jnp.asarray(base_ckpt.tensor(n)) for n in base_ckpt.files}
+  floats = {n: x for n, x in theta0.items() if jnp.issubdtype(x.dtype, jnp.floating)}
+  vectors = []
+  for i, m in enumerate(models):
+    ckpt = hf.Checkpoint(m)
+    vectors.append(TaskVector({n: jnp.asarray(ckpt.tensor(n), jnp.float32) -
+                               jnp.asarray(x, jnp.float32) for n, x in floats.items()},
+                              (f'model_{i}',), 'full', 'streamed'))
+  if plan.method == 'extract':
+    return {n: np.asarray(x) for n, x in vectors[0].delta.items()}
+  if plan.method == 'negation':
+    merged, scale = vectors[0], -plan.scale
+  else:
+    method = merging.get(plan.method)
+    reads = {'key': jax.random.PRNGKey(plan.seed)} if 'key' in method.reads else {}
+    merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
+  out = {n: np.asarray(x) for n, x in merged.apply_to(floats, scale).items()}
+  return {**{n: np.asarray(x) for n, x in theta0.items()}, **out}
+
+
+def read_output(output: str) -> dict[str, np.ndarray]:
+  ckpt = hf.Checkpoint(output)
+  return {n: ckpt.tensor(n) for n in ckpt.files}
+
+
+def run(config, workdir: str) -> dict:
+  """The launch job: `config` as configs/merge_checkpoints.py describes it; the output defaults
+  to <workdir>/merged."""
+  models = [m.strip() for m in config.models.split(',') if m.strip()]
+  section = config.get(config.method)
+  plan = Plan(config.method, section.to_dict() if section is not None else {},
+              scale=config.scale, seed=config.seed, shard_bytes=config.shard_bytes,
+              allow_nonfinite=config.allow_nonfinite)
+  if not config.base:
+    raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
+                    '.safetensors file)')
+  return merge(config.base, models, config.output or os.path.join(workdir, 'merged'), plan)

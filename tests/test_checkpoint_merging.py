@@ -1,0 +1,217 @@
+"""Streaming checkpoint merges: equal to the in-memory merge bit for bit, resumable after a
+crash to the same bytes, and every bad input named with nothing written."""
+
+import hashlib
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from editing.errors import UserError
+from editing.models import hf
+from merging.jobs import checkpoints
+
+LAYERS = 2
+HIDDEN = 16
+
+
+def llama_tensors(seed, dtype=np.float32):
+  """A small Llama-shaped state dict (its names and shapes, tiny sizes)."""
+  rng = np.random.default_rng(seed)
+  shapes = {'model.embed_tokens.weight': (50, HIDDEN), 'model.norm.weight': (HIDDEN,),
+            'lm_head.weight': (50, HIDDEN)}
+  for i in range(LAYERS):
+    for name, shape in {'self_attn.q_proj.weight': (HIDDEN, HIDDEN),
+                        'self_attn.k_proj.weight': (8, HIDDEN),
+                        'self_attn.v_proj.weight': (8, HIDDEN),
+                        'self_attn.o_proj.weight': (HIDDEN, HIDDEN),
+                        'mlp.gate_proj.weight': (32, HIDDEN), 'mlp.up_proj.weight': (32, HIDDEN),
+                        'mlp.down_proj.weight': (HIDDEN, 32),
+                        'input_layernorm.weight': (HIDDEN,),
+                        'post_attention_layernorm.weight': (HIDDEN,)}.items():
+      shapes[f'model.layers.{i}.{name}'] = shape
+  return {n: rng.normal(size=s).astype(dtype) for n, s in shapes.items()}
+
+
+def fixture(root, dtype=np.float32, shard_bytes=10**9):
+  """base and three fine-tunes (base + a small delta) as Hugging Face directories."""
+  base = llama_tensors(0, dtype)
+  config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
+  hf.save(os.path.join(root, 'base'), base, config, shard_bytes=shard_bytes)
+  models = []
+  for k in range(3):
+    delta = llama_tensors(k + 1, np.float32)
+    tuned = {n: (x.astype(np.float32) + 0.1 * delta[n]).astype(dtype) for n, x in base.items()}
+    models.append(os.path.join(root, f'ft{k}'))
+    hf.save(models[-1], tuned, config, shard_bytes=shard_bytes)
+  return os.path.join(root, 'base'), models
+
+
+PLANS = {
+    'averaging': checkpoints.Plan('averaging', {}),
+    'task_arithmetic': checkpoints.Plan('task_arithmetic', {}, scale=0.7),
+    'ties': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'tensor'}, scale=0.9),
+    'dare': checkpoints.Plan('dare', {'p': 0.5, 'then': 'ties', 'density': 0.3,
+                                      'scope': 'tensor'}, seed=3),
+    'breadcrumbs': checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.5}),
+    'consensus': checkpoints.Plan('consensus', {'min_tasks': 2, 'tall_lambda': 0.5}),
+}
+
+
+def bits(x):
+  return np.ascontiguousarray(x).view(np.uint8)
+
+
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('name', sorted(PLANS) + ['negation', 'extract'])
+def test_streamed_merge_equals_the_in_memory_merge_bit_for_bit(tmp_path, name, dtype):
+  base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
+  plan = PLANS.get(name) or checkpoints.Plan(name, {}, scale=0.5, shard_bytes=2000)
+  if name in checkpoints.SINGLE_MODEL:
+    models = models[:1]
+  out = str(tmp_path / 'out')
+  summary = checkpoints.merge(base, models, out, plan)
+  streamed = checkpoints.read_output(out)
+  expected = checkpoints.in_memory(base, models, plan)
+  assert streamed.keys() == expected.keys() and summary['tensors'] == len(expected)
+  for n, x in expected.items():
+    assert streamed[n].dtype == (np.float32 if name == 'extract' else dtype), n
+    np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
+  assert os.path.exists(os.path.join(out, 'config.json'))
+  assert not os.path.exists(out + '.partial')
+
+
+def test_task_arithmetic_and_ties_follow_mergekits_conventions(tmp_path):
+  base, models = fixture(str(tmp_path))
+  theta0 = checkpoints.read_output(base)
+  thetas = [checkpoints.read_output(m) for m in models]
+  checkpoints.merge(base, models, str(tmp_path / 'ta'), PLANS['task_arithmetic'])
+  ta = checkpoints.read_output(str(tmp_path / 'ta'))
+  checkpoints.merge(base, models, str(tmp_path / 'ties'), PLANS['ties'])
+  ties = checkpoints.read_output(str(tmp_path / 'ties'))
+  for n, x0 in theta0.items():
+    deltas = np.stack([t[n] - x0 for t in thetas]).reshape(3, -1).astype(np.float64)
+    np.testing.assert_allclose(ta[n], x0 + 0.7 * deltas.sum(0).reshape(x0.shape), rtol=1e-5,
+                               atol=1e-6)
+    count = max(1, int(0.2 * deltas.shape[1]))  # mergekit's kept count, per tensor
+    trimmed = np.zeros_like(deltas)
+    for t in range(3):
+      keep = np.argsort(-np.abs(deltas[t]), kind='stable')[:count]
+      trimmed[t, keep] = deltas[t, keep]
+    sign = np.where(trimmed.sum(0) >= 0, 1.0, -1.0)  # a zero sum elects +
+    agree = (np.sign(trimmed) == sign) & (trimmed != 0)
+    mean = (trimmed * agree).sum(0) / np.maximum(agree.sum(0), 1)  # agreeing non-zero entries
+    np.testing.assert_allclose(ties[n], x0 + 0.9 * mean.reshape(x0.shape), rtol=1e-5,
+                               atol=1e-6)
+
+
+def output_bytes(directory):
+  return {f: hashlib.sha256(open(os.path.join(directory, f), 'rb').read()).hexdigest()
+          for f in sorted(os.listdir(directory))}
+
+
+def test_a_crashed_merge_resumes_to_the_same_bytes(tmp_path, monkeypatch):
+  base, models = fixture(str(tmp_path))
+  plan = checkpoints.Plan('dare', PLANS['dare'].settings, seed=3, shard_bytes=2500)
+  checkpoints.merge(base, models, str(tmp_path / 'whole'), plan)
+  calls = {'n': 0}
+  original = checkpoints._merge_tensor  # pylint: disable=protected-access
+
+  def crash_midway(*args):
+    calls['n'] += 1
+    if calls['n'] == 12:
+      raise KeyboardInterrupt('killed')
+    return original(*args)
+
+  monkeypatch.setattr(checkpoints, '_merge_tensor', crash_midway)
+  out = str(tmp_path / 'resumed')
+  with pytest.raises(KeyboardInterrupt):
+    checkpoints.merge(base, models, out, plan)
+  assert not os.path.exists(out)
+  finished = [f for f in os.listdir(out + '.partial') if f.endswith('.safetensors')]
+  assert finished, 'no shard finished before the crash'
+  monkeypatch.setattr(checkpoints, '_merge_tensor', original)
+  checkpoints.merge(base, models, out, plan)
+  assert output_bytes(out) == output_bytes(str(tmp_path / 'whole'))
+  assert len([f for f in os.listdir(out) if f.startswith('model-')]) > 1
+
+
+def rewrite(directory, change):
+  ckpt = hf.Checkpoint(directory)
+  tensors = {n: ckpt.tensor(n) for n in ckpt.files}
+  change(tensors)
+  hf.save(directory, tensors, ckpt.config, shard_bytes=10**9)
+
+
+def nan_in(tensors):
+  tensors['model.norm.weight'] = tensors['model.norm.weight'].copy()
+  tensors['model.norm.weight'][3] = np.nan
+
+
+def drop_second_shard(directory):
+  ckpt = hf.Checkpoint(directory)
+  hf.save(directory, {n: ckpt.tensor(n) for n in ckpt.files}, ckpt.config, shard_bytes=3000)
+  os.remove(os.path.join(directory, sorted(f for f in os.listdir(directory)
+                                           if f.startswith('model-'))[1]))
+
+
+BAD = {
+    'missing key': (lambda d: rewrite(d, lambda t: t.pop('lm_head.weight')),
+                    r'ft1 does not have the tensors of .*missing \[.lm_head.weight.\]'),
+    'extra key': (lambda d: rewrite(d, lambda t: t.update(extra=np.zeros(2, np.float32))),
+                  r"ft1 does not have the tensors .*extra \['extra'\]"),
+    'shape': (lambda d: rewrite(d, lambda t: t.update({'model.norm.weight': np.zeros(
+        (HIDDEN + 1,), np.float32)})), r'ft1: model.norm.weight is float32\[17\], the base '),
+    'dtype': (lambda d: rewrite(d, lambda t: t.update({'model.norm.weight': np.zeros(
+        (HIDDEN,), np.float16)})), r'ft1: model.norm.weight is float16\[16\]'),
+    'nan': (lambda d: rewrite(d, nan_in), r'ft1: model.norm.weight holds non-finite'),
+    'truncated': (lambda d: open(os.path.join(d, hf.SINGLE), 'r+b').truncate(500),
+                  r'ft1/model.safetensors is not a readable safetensors file'),
+    'pickle': (lambda d: (os.remove(os.path.join(d, hf.SINGLE)),
+                          open(os.path.join(d, 'pytorch_model.bin'), 'wb').write(b'\x80\x04')),
+               r'only pickled weights \(pytorch_model.bin\)'),
+    'missing shard': (lambda d: drop_second_shard(d), r"names shard\(s\) \['model-00002-of-"),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD))
+def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, case):
+  base, models = fixture(str(tmp_path))
+  corrupt, message = BAD[case]
+  corrupt(models[1])
+  out = str(tmp_path / 'out')
+  with pytest.raises(UserError, match=message):
+    checkpoints.merge(base, models, out, PLANS['ties'])
+  assert not os.path.exists(out)
+
+
+def test_methods_that_need_data_or_a_global_threshold_are_refused():
+  with pytest.raises(UserError, match='fisher reads data'):
+    checkpoints.Plan('fisher', {})
+  with pytest.raises(UserError, match="scope='tensor'"):
+    checkpoints.Plan('ties', {'density': 0.2, 'scope': 'global'})
+  with pytest.raises(UserError, match='unknown checkpoint merge method'):
+    checkpoints.Plan('tie', {})
+
+
+def test_nan_inputs_merge_when_allowed(tmp_path):
+  base, models = fixture(str(tmp_path))
+  rewrite(models[0], nan_in)
+  plan = checkpoints.Plan('task_arithmetic', {}, allow_nonfinite=True)
+  checkpoints.merge(base, models, str(tmp_path / 'out'), plan)
+  assert np.isnan(checkpoints.read_output(str(tmp_path / 'out'))['model.norm.weight'][3])
+  assert json.load(open(tmp_path / 'out' / 'config.json'))['model_type'] == 'llama'
+
+
+def test_the_launch_job_merges_and_names_a_data_method_in_one_line(tmp_path, run_python):
+  base, models = fixture(str(tmp_path))
+  args = ['-m', 'launch.merge_checkpoints', f'--workdir={tmp_path}', f'--config.base={base}',
+          f'--config.models={",".join(models)}', '--config.method=ties']
+  run_python(args)
+  assert set(checkpoints.read_output(str(tmp_path / 'merged'))) == set(
+      checkpoints.read_output(base))
+  proc = run_python(args[:-1] + ['--config.method=regmean'], check=False)
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith('error: regmean reads data')
