@@ -9,12 +9,14 @@ unread, a file safetensors cannot parse (truncated, corrupt) is named with the p
 and a non-finite value is named by its file and leaf path.
 """
 
+import contextlib
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import safetensors
@@ -27,25 +29,34 @@ from editing.task_vector import TaskVector
 _META_KEY = 'editmerge'
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes `data` to a temporary file beside `path`, then renames it into place."""
+@contextlib.contextmanager
+def atomic_file(path: str):
+  """A binary file to write, at a temporary name beside `path` until the block ends without an
+  error, then renamed into place; on an error it is removed and `path` is untouched."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix=os.path.basename(path))
   try:
     with os.fdopen(fd, 'wb') as f:
-      f.write(data)
+      yield f
       f.flush()
       os.fsync(f.fileno())
     # mkstemp makes the file private (0600); give it the permissions `open` would have.
-    os.chmod(tmp, 0o666 & ~_umask())
+    os.chmod(tmp, 0o666 & ~umask())
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)
     raise
 
 
-def _umask() -> int:
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Writes `data` to a temporary file beside `path`, then renames it into place."""
+  with atomic_file(path) as f:
+    f.write(data)
+
+
+def umask() -> int:
+  """The process's file-creation mask."""
   mask = os.umask(0)
   os.umask(mask)
   return mask
@@ -102,6 +113,38 @@ def refuse_pickle(path: str) -> None:
     raise UserError(f'{path} is a pickle (a PyTorch .bin/.pt/.pth checkpoint?), which is never '
                     'unpickled here; convert it to safetensors first, e.g. in PyTorch: '
                     'safetensors.torch.save_file(torch.load(path), "model.safetensors")')
+
+
+# safetensors' dtype codes.
+DTYPES = {'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32),
+          'F16': np.dtype(np.float16), 'BF16': np.dtype(ml_dtypes.bfloat16),
+          'I64': np.dtype(np.int64), 'I32': np.dtype(np.int32), 'I16': np.dtype(np.int16),
+          'I8': np.dtype(np.int8), 'U8': np.dtype(np.uint8), 'BOOL': np.dtype(np.bool_)}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
+                      produce: Callable[[str], np.ndarray], metadata: dict | None = None) -> None:
+  """A safetensors file whose tensors are made one at a time by produce(name), in `entries`'
+  order, so only one is in memory; the header comes from the entries (name, shape, dtype).
+  Written to a temporary name and renamed."""
+  header, offset = {}, 0
+  for name, shape, dtype in entries:
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    header[name] = {'dtype': _CODES[np.dtype(dtype)], 'shape': list(shape),
+                    'data_offsets': [offset, offset + size]}
+    offset += size
+  if metadata:
+    header['__metadata__'] = metadata
+  blob = json.dumps(header, separators=(',', ':')).encode()
+  blob += b' ' * (-len(blob) % 8)
+  with atomic_file(path) as f:
+    f.write(len(blob).to_bytes(8, 'little') + blob)
+    for name, shape, dtype in entries:
+      array = np.ascontiguousarray(produce(name))
+      if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+        raise ValueError(f'{name}: made {array.dtype}{array.shape}, planned {dtype}{shape}')
+      f.write(array.reshape(-1).view(np.uint8).data)
 
 
 def save_task_vector(path: str, vector: TaskVector, extra: dict | None = None) -> None:

@@ -1,15 +1,19 @@
-r"""Measures the fine-tuning step of every regime in one process: time and memory, as ratios
-(`editing.jobs.benchmark`).
+r"""Benchmarks, each measured as ratios in one run.
 
-  python -m launch.benchmark [--config=configs/quickstart.py] [--config.benchmark.steps=20]
-
-Prints a table of median step time, images/s and both ratios to full, and writes
-<workdir>/benchmark.json.
+  python -m launch.benchmark [--config.benchmark.steps=20]
+      the fine-tuning step of every regime: time and memory (`editing.jobs.benchmark`);
+      writes <workdir>/benchmark.json
+  python -m launch.benchmark --config.benchmark.job=merge_checkpoints
+      streaming checkpoint merges against the I/O floor on a generated Llama-shaped fixture
+      (`merging.jobs.checkpoint_benchmark`); writes <workdir>/checkpoint_benchmark.json
 """
 
 from configs import quickstart as quickstart_config
 from editing.jobs import benchmark
 from editing.jobs import cli
+from merging.jobs import checkpoint_benchmark
+
+JOBS = {'regimes': benchmark.run, 'merge_checkpoints': checkpoint_benchmark.run}
 
 if __name__ == '__main__':
-  cli.run(benchmark.run, quickstart_config)
+  cli.run(lambda config, workdir: JOBS[config.benchmark.job](config, workdir), quickstart_config)

@@ -50,6 +50,7 @@ class Checkpoint:
 
   def __init__(self, path: str):
     self.path = path
+    self._headers: dict[str, tuple[dict, int]] = {}
     if os.path.isdir(path):
       self.config = _read_json(os.path.join(path, 'config.json'))
       self.files = self._weight_map(path)
@@ -98,13 +99,32 @@ class Checkpoint:
                       'or corrupt') from None
 
   def tensor(self, name: str) -> np.ndarray:
-    """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none."""
+    """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none.
+
+    Read with a plain positioned read, not a memory map, so that the pages of tensors already
+    merged do not stay in this process's resident memory.
+    """
     file = self.files[name]
-    try:
-      with safetensors.safe_open(file, framework='numpy') as f:
-        return f.get_tensor(name)
-    except (safetensors.SafetensorError, OSError) as e:
-      raise UserError(f'{file}: cannot read {name} ({e}); the file may be truncated') from None
+    header, start = self._header(file)
+    entry = header[name]
+    begin, end = entry['data_offsets']
+    dtype = checkpoint.DTYPES.get(entry['dtype'])
+    if dtype is None:
+      raise UserError(f'{file}: {name} has dtype {entry["dtype"]}, which is not read here')
+    array = np.empty(end - begin, np.uint8)
+    with open(file, 'rb') as f:
+      f.seek(start + begin)
+      if f.readinto(array) != end - begin:
+        raise UserError(f'{file}: {name} ends past the end of the file; it is truncated')
+    return array.view(dtype).reshape(entry['shape'])
+
+  def _header(self, file: str) -> tuple[dict, int]:
+    """The file's JSON header and where its data starts (parsed once per file)."""
+    if file not in self._headers:
+      with open(file, 'rb') as f:
+        length = int.from_bytes(f.read(8), 'little')
+        self._headers[file] = (json.loads(f.read(length)), 8 + length)
+    return self._headers[file]
 
 
 def _read_json(path: str) -> dict:
@@ -249,6 +269,8 @@ def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
         json.dump(index, f, indent=2, sort_keys=True)
     with open(os.path.join(tmp, 'config.json'), 'w') as f:
       json.dump(config, f, indent=2, sort_keys=True)
+    # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.
+    os.chmod(tmp, 0o777 & ~checkpoint.umask())
     if os.path.exists(directory):
       shutil.rmtree(directory)
     os.replace(tmp, directory)

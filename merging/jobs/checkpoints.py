@@ -24,13 +24,13 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from safetensors import numpy as safetensors_np
+import safetensors
 
 import merging
 from editing import checkpoint
@@ -97,9 +97,10 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   for shard in shards:
     path = os.path.join(partial, shard['file'])
     if not os.path.exists(path):
-      tensors = {name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan)
-                 for name in shard['names']}
-      checkpoint.atomic_write_bytes(path, safetensors_np.save(tensors, metadata={'format': 'pt'}))
+      checkpoint.write_safetensors(
+          path, shard['entries'],
+          lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan),
+          metadata={'format': 'pt'})
     done_bytes += shard['bytes']
     elapsed = time.time() - start
     logging.info('%s: %d of %d bytes, %.1f MB/s, eta %.0f s', shard['file'], done_bytes,
@@ -116,12 +117,13 @@ def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
   for name in names:
     shape, dtype = _header(base, name)
     # τ is written in float32; merged weights in the base's dtype.
-    floating = jnp.issubdtype(dtype, jnp.floating)
-    itemsize = 4 if plan.method == 'extract' and floating else np.dtype(dtype).itemsize
-    nbytes = int(np.prod(shape)) * itemsize
+    if plan.method == 'extract' and jnp.issubdtype(dtype, jnp.floating):
+      dtype = np.dtype(np.float32)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
     if not shards or (shards[-1]['bytes'] + nbytes > plan.shard_bytes and shards[-1]['names']):
-      shards.append({'names': [], 'bytes': 0})
+      shards.append({'names': [], 'entries': [], 'bytes': 0})
     shards[-1]['names'].append(name)
+    shards[-1]['entries'].append((name, shape, dtype))
     shards[-1]['bytes'] += nbytes
   for i, shard in enumerate(shards):
     shard['file'] = (hf.SINGLE if len(shards) == 1 else
@@ -129,14 +131,14 @@ def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
   return shards
 
 
-def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], Any]:
+def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
   """A tensor's shape and numpy dtype, from the file's header alone."""
-  import safetensors  # pylint: disable=g-import-not-at-top
   with safetensors.safe_open(ckpt.files[name], framework='numpy') as f:
     sliced = f.get_slice(name)
-    dtype = {'F32': np.float32, 'F16': np.float16, 'BF16': jnp.bfloat16, 'F64': np.float64,
-             'I64': np.int64, 'I32': np.int32, 'U8': np.uint8, 'BOOL': np.bool_}
-    return tuple(sliced.get_shape()), dtype.get(sliced.get_dtype(), np.float32)
+    code = sliced.get_dtype()
+    if code not in checkpoint.DTYPES:
+      raise UserError(f'{ckpt.files[name]}: {name} has dtype {code}, which is not merged here')
+    return tuple(sliced.get_shape()), checkpoint.DTYPES[code]
 
 
 def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarray:

@@ -1,0 +1,105 @@
+"""Checkpoint merging against the I/O floor, in one run, on a generated Llama-shaped fixture.
+
+The fixture (hidden 1024, 8 layers, vocabulary 32,000, MLP 2,048, grouped key/value heads of
+256: about 136M parameters, float32, about 545 MB a model) is a base and three fine-tunes,
+written once to <workdir>/checkpoint_fixture. Each measurement runs in its own process, so its
+peak RSS is its own:
+
+  floor            read every input tensor once, add them, write the output
+  task_arithmetic  θ0 + Σ τ_t through merging.jobs.checkpoints
+  ties             TIES at density 0.2, per tensor, through the same
+
+The table reports wall time, its ratio to the floor, peak RSS and its ratio to the largest
+tensor's size.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from editing import checkpoint
+from editing.models import hf
+from merging.jobs import checkpoints
+
+SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
+
+
+def fixture_tensors(seed: int, base: dict | None = None) -> dict[str, np.ndarray]:
+  h, rng = SHAPE['hidden'], np.random.default_rng(seed)
+  shapes = {'model.embed_tokens.weight': (SHAPE['vocab'], h), 'model.norm.weight': (h,),
+            'lm_head.weight': (SHAPE['vocab'], h)}
+  for i in range(SHAPE['layers']):
+    layer = f'model.layers.{i}.'
+    shapes.update({layer + 'self_attn.q_proj.weight': (h, h),
+                   layer + 'self_attn.k_proj.weight': (SHAPE['kv'], h),
+                   layer + 'self_attn.v_proj.weight': (SHAPE['kv'], h),
+                   layer + 'self_attn.o_proj.weight': (h, h),
+                   layer + 'mlp.gate_proj.weight': (SHAPE['mlp'], h),
+                   layer + 'mlp.up_proj.weight': (SHAPE['mlp'], h),
+                   layer + 'mlp.down_proj.weight': (h, SHAPE['mlp']),
+                   layer + 'input_layernorm.weight': (h,),
+                   layer + 'post_attention_layernorm.weight': (h,)})
+  out = {}
+  for name, shape in shapes.items():
+    noise = rng.standard_normal(shape, np.float32)
+    out[name] = noise * 0.02 if base is None else base[name] + 0.001 * noise
+  return out
+
+
+def make_fixture(directory: str) -> tuple[str, list[str]]:
+  base_dir = os.path.join(directory, 'base')
+  models = [os.path.join(directory, f'ft{k}') for k in range(3)]
+  if not all(os.path.exists(os.path.join(d, hf.SINGLE)) for d in [base_dir] + models):
+    config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
+    base = fixture_tensors(0)
+    hf.save(base_dir, base, config, shard_bytes=2**40)
+    for k, path in enumerate(models):
+      hf.save(path, fixture_tensors(k + 1, base), config, shard_bytes=2**40)
+  return base_dir, models
+
+
+def measure(what: str, base: str, models: list[str], output: str) -> dict:
+  """One measurement in this process: seconds and peak RSS."""
+  start = time.time()
+  if what == 'floor':
+    inputs = [hf.Checkpoint(p) for p in [base] + models]
+    os.makedirs(output, exist_ok=True)
+    names = sorted(inputs[0].files)
+    entries = [(n, tuple(inputs[0].tensor(n).shape), np.dtype(np.float32)) for n in names]
+    checkpoint.write_safetensors(os.path.join(output, hf.SINGLE), entries,
+                                 lambda n: sum(c.tensor(n) for c in inputs))
+  else:
+    settings = {'density': 0.2, 'scope': 'tensor'} if what == 'ties' else {}
+    checkpoints.merge(base, models, output, checkpoints.Plan(what, settings))
+  return {'seconds': time.time() - start,
+          'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run(config, workdir: str) -> dict:
+  del config
+  base, models = make_fixture(os.path.join(workdir, 'checkpoint_fixture'))
+  largest = SHAPE['vocab'] * SHAPE['hidden'] * 4  # the embedding, float32
+  results = {}
+  for what in ('floor', 'task_arithmetic', 'ties'):
+    output = os.path.join(workdir, 'checkpoint_merged', what)
+    code = ('import json, sys; from merging.jobs import checkpoint_benchmark as b; '
+            'print(json.dumps(b.measure(*sys.argv[1:3], sys.argv[3].split(","), sys.argv[4])))')
+    proc = subprocess.run([sys.executable, '-c', code, what, base, ','.join(models), output],
+                          capture_output=True, text=True, check=True)
+    results[what] = json.loads(proc.stdout.strip().splitlines()[-1])
+  floor = results['floor']['seconds']
+  lines = ['method            wall s   × floor   peak RSS MB   × largest tensor']
+  for what, r in results.items():
+    r['floor_ratio'] = r['seconds'] / floor
+    r['largest_tensor_ratio'] = r['peak_rss_bytes'] / largest
+    lines.append(f'{what:16} {r["seconds"]:7.1f} {r["floor_ratio"]:9.2f} '
+                 f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f}')
+  print('\n'.join(lines))
+  summary = {'fixture': SHAPE, 'largest_tensor_bytes': largest, 'results': results}
+  checkpoint.atomic_write_json(os.path.join(workdir, 'checkpoint_benchmark.json'), summary)
+  return summary
