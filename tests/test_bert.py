@@ -15,6 +15,7 @@ from editing import tree as tree_lib
 from editing.models import bert
 from editing.models import hf
 from editing.models import text
+from tests.test_hf import random_model
 
 CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               intermediate_size=48, max_position_embeddings=40, type_vocab_size=2)
@@ -42,11 +43,7 @@ def random_batch(n=4, length=12):
 
 
 def test_tiny_bert_matches_transformers_and_exports_bit_identically(tmp_path):
-  torch.manual_seed(0)
-  model = transformers.BertModel(transformers.BertConfig(**CONFIG)).eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.05 * torch.randn_like(p))
+  model = random_model(transformers.BertModel, transformers.BertConfig(**CONFIG))
   model.save_pretrained(tmp_path / 'in')
   params, config = hf.load(str(tmp_path / 'in'), 'bert')
   batch = random_batch()

@@ -24,16 +24,21 @@ CONFIG = dict(hidden_size=32, intermediate_size=64, projection_dim=16, num_hidde
               layer_norm_eps=1e-5)
 
 
-def clip_vision(directory, *, dtype=torch.float32, **save_options):
-  """A random CLIPVisionModelWithProjection saved to `directory` (every tensor perturbed, so
-  that a LayerNorm's ones and zeros cannot hide a wrong mapping)."""
+def random_model(model_class, config):
+  """A model of random weights, every tensor perturbed from its initialisation, so that a
+  LayerNorm's ones and zeros cannot hide a wrong mapping."""
   torch.manual_seed(0)
-  model = transformers.CLIPVisionModelWithProjection(
-      transformers.CLIPVisionConfig(**CONFIG)).eval()
+  model = model_class(config).eval()
   with torch.no_grad():
     for p in model.parameters():
       p.add_(0.05 * torch.randn_like(p))
-  model = model.to(dtype)
+  return model
+
+
+def clip_vision(directory, *, dtype=torch.float32, **save_options):
+  """A random CLIPVisionModelWithProjection saved to `directory`."""
+  model = random_model(transformers.CLIPVisionModelWithProjection,
+                       transformers.CLIPVisionConfig(**CONFIG)).to(dtype)
   model.save_pretrained(directory, **save_options)
   return model
 
@@ -178,11 +183,8 @@ TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=64, projection_dim=
 
 
 def test_clip_text_tower_matches_transformers_and_exports_bit_identically(tmp_path):
-  torch.manual_seed(0)
-  model = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**TEXT)).eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.05 * torch.randn_like(p))
+  model = random_model(transformers.CLIPTextModelWithProjection,
+                       transformers.CLIPTextConfig(**TEXT))
   model.save_pretrained(tmp_path / 'in')
   params, config = hf.load(str(tmp_path / 'in'), 'clip_text')
   rng = np.random.default_rng(0)
