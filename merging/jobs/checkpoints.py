@@ -29,11 +29,12 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 import safetensors
+from absl import logging
 
 import merging
 from editing import checkpoint
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
@@ -150,24 +151,35 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarr
                       f'{base.dtype}{list(base.shape)}')
   if not plan.allow_nonfinite:
     for path, x in [(base_ckpt.path, base)] + list(zip(models, thetas)):
-      if np.issubdtype(np.asarray(x).dtype, np.integer) or np.asarray(x).dtype == np.bool_:
-        continue
-      if not np.isfinite(np.asarray(x, np.float32)).all():
+      if tree_lib.first_nonfinite({name: x}) is not None:
         raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
                         'allow_nonfinite to merge it anyway')
   if not jnp.issubdtype(base.dtype, jnp.floating):
     return base  # integer buffers (position ids, masks) are not weights
-  vectors = [TaskVector({name: jnp.asarray(theta, jnp.float32) - jnp.asarray(base, jnp.float32)},
-                        (label,), 'full', 'streamed') for theta, label in zip(thetas, labels)]
+  theta0 = {name: jnp.asarray(base)}
+  vectors = _task_vectors(theta0, [{name: theta} for theta in thetas], labels)
+  return np.asarray(_edit(plan, theta0, vectors, key)[name])
+
+
+def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> list:
+  """τ_t = θ_t − θ0 in float32, one vector per fine-tuned model, over θ0's names."""
+  return [TaskVector({n: jnp.asarray(theta[n], jnp.float32) - jnp.asarray(x, jnp.float32)
+                      for n, x in theta0.items()}, (label,), 'full', 'streamed')
+          for theta, label in zip(tuned, labels)]
+
+
+def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array) -> dict:
+  """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
+  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N)."""
   if plan.method == 'extract':
-    return np.asarray(vectors[0].delta[name], np.float32)
+    return dict(vectors[0].delta)
   if plan.method == 'negation':
     merged, scale = vectors[0], -plan.scale
   else:
     method = merging.get(plan.method)
     reads = {'key': key} if 'key' in method.reads else {}
     merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
-  return np.asarray(merged.apply_to({name: jnp.asarray(base)}, scale)[name])
+  return merged.apply_to(theta0, scale)
 
 
 def _finish(base: str, partial: str, output: str, shards: list[dict]) -> None:
@@ -190,22 +202,12 @@ def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndar
   base_ckpt = hf.Checkpoint(base)
   theta0 = {n: jnp.asarray(base_ckpt.tensor(n)) for n in base_ckpt.files}
   floats = {n: x for n, x in theta0.items() if jnp.issubdtype(x.dtype, jnp.floating)}
-  vectors = []
-  for i, m in enumerate(models):
-    ckpt = hf.Checkpoint(m)
-    vectors.append(TaskVector({n: jnp.asarray(ckpt.tensor(n), jnp.float32) -
-                               jnp.asarray(x, jnp.float32) for n, x in floats.items()},
-                              (f'model_{i}',), 'full', 'streamed'))
-  if plan.method == 'extract':
-    return {n: np.asarray(x) for n, x in vectors[0].delta.items()}
-  if plan.method == 'negation':
-    merged, scale = vectors[0], -plan.scale
-  else:
-    method = merging.get(plan.method)
-    reads = {'key': jax.random.PRNGKey(plan.seed)} if 'key' in method.reads else {}
-    merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
-  out = {n: np.asarray(x) for n, x in merged.apply_to(floats, scale).items()}
-  return {**{n: np.asarray(x) for n, x in theta0.items()}, **out}
+  tuned = [{n: ckpt.tensor(n) for n in floats} for ckpt in map(hf.Checkpoint, models)]
+  labels = [f'model_{i}' for i in range(len(models))]
+  edited = _edit(plan, floats, _task_vectors(floats, tuned, labels),
+                 jax.random.PRNGKey(plan.seed))
+  return {**{n: np.asarray(x) for n, x in theta0.items()},
+          **{n: np.asarray(x) for n, x in edited.items()}}
 
 
 def read_output(output: str) -> dict[str, np.ndarray]:
