@@ -1,12 +1,19 @@
-"""Pretraining the suite's backbone θ0, with a cosine head learned jointly and then discarded.
+"""The suite's backbone θ0: the shipped one, or pretrained with a cosine head learned jointly
+and then discarded.
 
-`config.pretrain.corpus` chooses what θ0 learns from:
+By default θ0 is the backbone the project ships (`SHIPPED`, a safetensors file beside its record:
+sha256, model, pretraining settings, the command that regenerates it), copied into the workdir
+after its hash and settings are checked against the config. `config.pretrain.from_scratch`
+pretrains instead, on `config.pretrain.corpus`:
 - 'captions': every word of a captioned scene (`editing.data.captions`): broad attributes at a
   coarser grain than the downstream tasks, a multi-label sigmoid per word;
 - 'shapes': the control task alone, an 8-way softmax.
 """
 
+import hashlib
+import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +31,44 @@ from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 
 CORPORA = ('captions', 'shapes')
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
+                       'backbone', 'vit_captions.json')
+# Settings that change how a run is logged, not the weights it produces.
+_BOOKKEEPING = ('checkpoint_every', 'log_every', 'from_scratch')
+
+
+def shipped_backbone(config: ml_collections.ConfigDict) -> str:
+  """The path of the shipped backbone file, once its bytes match the recorded sha256 and its
+  recorded model and pretraining settings match `config`'s."""
+  with open(SHIPPED) as f:
+    record = json.load(f)
+  path = os.path.join(os.path.dirname(SHIPPED), record['file'])
+  wanted = {'model': config.model.to_dict(),
+            'pretrain': {k: v for k, v in config.pretrain.to_dict().items()
+                         if k not in _BOOKKEEPING}}
+  differences = [f'config.{section}.{key} = {wanted[section].get(key)!r} '
+                 f'(shipped: {record[section].get(key)!r})'
+                 for section in wanted
+                 for key in sorted(wanted[section].keys() | record[section].keys())
+                 if wanted[section].get(key) != record[section].get(key)]
+  if differences:
+    raise UserError(f'the shipped backbone {path} was pretrained with other settings: '
+                    f'{"; ".join(differences)}. Set --config.pretrain.from_scratch=true to '
+                    'pretrain with these settings')
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  if digest.hexdigest() != record['sha256']:
+    raise UserError(f'{path} has sha256 {digest.hexdigest()}, not the recorded '
+                    f'{record["sha256"]}: the file is damaged or was replaced. Restore it from '
+                    f'the repository, or regenerate it with: {record["regenerate"]}')
+  return path
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Trains encoder + head unless done; writes <workdir>/pretrain/params.safetensors."""
+  """Writes <workdir>/pretrain/params.safetensors unless it is there: the shipped backbone, or
+  encoder + head trained from scratch."""
   experiment.validate(config)
   if config.pretrain.corpus not in CORPORA:
     raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r}: must be one of '
@@ -49,6 +90,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
                       f'{config.model.to_dict()}; use another --workdir')
     logging.info('pretrained backbone found at %s', out)
     return
+  if not config.pretrain.from_scratch:
+    shipped = shipped_backbone(config)
+    with checkpoint.atomic_file(out) as f, open(shipped, 'rb') as source:
+      shutil.copyfileobj(source, f)
+    logging.info('copied the shipped backbone %s to %s', shipped, out)
+    return
   module, apply_fn = experiment.model(config.model)
   scale = config.pretrain.logit_scale
   if config.pretrain.corpus == 'captions':
@@ -62,7 +109,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
     data, num_outputs = task.train, task.num_classes
     loss_fn = head_lib.cross_entropy_loss(lambda params, consts, images: head_lib.logits(
         apply_fn(params['encoder'], images), params['head'], scale))
-  key_encoder, key_head = jax.random.split(jax.random.PRNGKey(config.seed))
+  key_encoder, key_head = jax.random.split(jax.random.PRNGKey(config.pretrain.seed))
   params = {'encoder': module.init(key_encoder, data.batch([0])[0])['params'],
             'head': jax.random.normal(key_head, (num_outputs, config.model.embed_dim))}
   if config.pretrain.corpus == 'captions':
