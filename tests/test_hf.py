@@ -18,6 +18,7 @@ from editing.models import clip_text
 from editing.models import hf
 from editing.models import vit
 from third_party import hf_clip
+from third_party import hf_vit
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, projection_dim=16, num_hidden_layers=2,
               num_attention_heads=4, image_size=32, patch_size=8, hidden_act='quick_gelu',
@@ -224,3 +225,51 @@ def test_a_clip_model_checkpoint_gives_both_towers(tmp_path):
   assert 'proj' in vision and 'proj' in text_params
   scale = hf.Checkpoint(str(tmp_path)).tensor('logit_scale')
   np.testing.assert_allclose(np.exp(scale), model.logit_scale.exp().item(), rtol=1e-6)
+
+
+VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           image_size=32, patch_size=8)
+
+
+def vit_pixels(x, mean, std):
+  pixels = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+  return torch.from_numpy(pixels.transpose(0, 3, 1, 2))
+
+
+def test_vit_model_with_its_pooler_matches_transformers_and_exports_bit_identically(tmp_path):
+  model = random_model(transformers.ViTModel, transformers.ViTConfig(**VIT))
+  model.save_pretrained(tmp_path / 'in')
+  params, config = hf.load(str(tmp_path / 'in'), 'vit')
+  assert config['pooler'] and not config['pre_norm'] and config['patch_bias']
+  assert config['activation'] == 'gelu' and config['layer_norm_epsilon'] == 1e-12
+  assert config['pixel_mean'] == list(hf_vit.PIXEL_MEAN)
+  hidden, pooled = ours(params, config, images())
+  with torch.no_grad():
+    out = model(pixel_values=vit_pixels(images(), hf_vit.PIXEL_MEAN, hf_vit.PIXEL_STD),
+                output_hidden_states=True)
+  # Our sown states are the last block's output, before the final LayerNorm.
+  assert np.abs(hidden - out.hidden_states[-1].numpy()).max() < 1e-4
+  assert np.abs(pooled - out.pooler_output.numpy()).max() < 1e-5
+  hf.export(str(tmp_path / 'out'), params, config, 'vit')
+  assert tensor_digests(tmp_path / 'out') == tensor_digests(tmp_path / 'in')
+  reloaded = transformers.ViTModel.from_pretrained(tmp_path / 'out').eval()
+  with torch.no_grad():
+    again = reloaded(pixel_values=vit_pixels(images(), hf_vit.PIXEL_MEAN, hf_vit.PIXEL_STD))
+  np.testing.assert_array_equal(again.pooler_output.numpy(), out.pooler_output.numpy())
+  assert hf.load(str(tmp_path / 'out'), 'vit')[1] == config
+
+
+def test_a_vit_classifier_gives_its_encoder_with_the_preprocessors_statistics(tmp_path):
+  model = random_model(transformers.ViTForImageClassification,
+                       transformers.ViTConfig(num_labels=5, **VIT))
+  model.save_pretrained(tmp_path)
+  mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+  with open(tmp_path / 'preprocessor_config.json', 'w') as f:
+    json.dump({'image_mean': mean, 'image_std': std}, f)
+  params, config = hf.load(str(tmp_path), 'vit')
+  assert not config['pooler'] and 'pooler' not in params and 'classifier' not in params
+  assert config['pixel_mean'] == mean and config['pixel_std'] == std
+  _, embeds = ours(params, config, images())
+  with torch.no_grad():
+    out = model.vit(pixel_values=vit_pixels(images(), mean, std))
+  assert np.abs(embeds - out.last_hidden_state[:, 0].numpy()).max() < 1e-4

@@ -12,7 +12,8 @@ there are several) into a temporary directory beside the target, then renames it
 a failure leaves nothing at the target path.
 
 Families (`FAMILIES`), each with its key map in third_party/: 'clip_vision' and 'clip_text' (the
-towers of CLIPModel and of CLIP{Vision,Text}Model[WithProjection]; hf_clip.py) and 'bert'
+towers of CLIPModel and of CLIP{Vision,Text}Model[WithProjection]; hf_clip.py), 'vit' (ViTModel
+and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py) and 'bert'
 (BertModel, and the `bert.` part of BERT task models; hf_bert.py).
 """
 
@@ -39,6 +40,7 @@ from editing.models import keymap
 from editing.models import vit
 from third_party import hf_bert
 from third_party import hf_clip
+from third_party import hf_vit
 
 SINGLE = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
@@ -149,6 +151,8 @@ class Family:
   owned: Callable[[str], bool]  # which of a file's tensors belong to this model
   ignored: tuple[str, ...] = ()  # saved buffers that are not parameters
   prefix: str = ''  # present in task models' checkpoints (e.g. 'bert.'), stripped
+  # Other JSON files an export writes beside config.json, by name.
+  extra_configs: Callable[[dict], dict[str, dict]] = lambda model: {}
 
 
 def _clip_model_config(ckpt: 'Checkpoint') -> dict:
@@ -159,6 +163,15 @@ def _clip_model_config(ckpt: 'Checkpoint') -> dict:
 def _clip_text_model_config(ckpt: 'Checkpoint') -> dict:
   with_projection = any(n.startswith('text_projection.') for n in ckpt.files)
   return hf_clip.text_model_config(ckpt.config, with_projection=with_projection)
+
+
+def _vit_model_config(ckpt: 'Checkpoint') -> dict:
+  """ViTModel's config, with the pixel statistics of its preprocessor_config.json if any."""
+  preprocessor_file = os.path.join(ckpt.path, 'preprocessor_config.json')
+  preprocessor = (_read_json(preprocessor_file)
+                  if os.path.isdir(ckpt.path) and os.path.exists(preprocessor_file) else None)
+  with_pooler = any(n.startswith(('pooler.', 'vit.pooler.')) for n in ckpt.files)
+  return hf_vit.model_config(ckpt.config, with_pooler=with_pooler, preprocessor=preprocessor)
 
 
 def _bert_model_config(ckpt: 'Checkpoint') -> dict:
@@ -185,6 +198,13 @@ FAMILIES = {
                                   jax.ShapeDtypeStruct((1, m['context_length']), jnp.int32)),
         owned=lambda name: name.startswith(hf_clip.TEXT_OWNED_PREFIXES),
         ignored=hf_clip.TEXT_IGNORED),
+    'vit': Family(
+        rules=hf_vit.RULES, model_config=_vit_model_config, hf_config=hf_vit.hf_config,
+        build=vit.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct(
+            (1, m['image_size'], m['image_size'], 3), jnp.float32),),
+        owned=lambda name: not name.startswith(hf_vit.NOT_OWNED_PREFIXES), prefix='vit.',
+        extra_configs=lambda m: {'preprocessor_config.json': hf_vit.preprocessor_config(m)}),
     'bert': Family(
         rules=hf_bert.RULES, model_config=_bert_model_config, hf_config=hf_bert.hf_config,
         build=bert.build,
@@ -236,14 +256,15 @@ def export(directory: str, params: Any, model: dict, family: str, *,
   """Writes params as a Hugging Face directory of `family` that transformers loads."""
   fam = FAMILIES[family]
   tensors = keymap.to_theirs(keymap.expand(fam.rules, model['depth']), tree_lib.flatten(params))
-  save(directory, tensors, fam.hf_config(model), shard_bytes=shard_bytes)
+  save(directory, tensors, fam.hf_config(model), shard_bytes=shard_bytes,
+       extra_configs=fam.extra_configs(model))
 
 
 def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
-         shard_bytes: int) -> None:
-  """config.json and the tensors in safetensors shards of at most `shard_bytes` (a tensor
-  larger than that gets a shard of its own), with the index when there are several; written
-  beside `directory` and renamed into place."""
+         shard_bytes: int, extra_configs: dict[str, dict] | None = None) -> None:
+  """config.json (and any `extra_configs`, by file name) and the tensors in safetensors shards
+  of at most `shard_bytes` (a tensor larger than that gets a shard of its own), with the index
+  when there are several; written beside `directory` and renamed into place."""
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name in sorted(tensors):
@@ -267,8 +288,9 @@ def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
                'weight_map': {t: name for name, shard in zip(names, shards) for t in shard}}
       with open(os.path.join(tmp, INDEX), 'w') as f:
         json.dump(index, f, indent=2, sort_keys=True)
-    with open(os.path.join(tmp, 'config.json'), 'w') as f:
-      json.dump(config, f, indent=2, sort_keys=True)
+    for name, content in {'config.json': config, **(extra_configs or {})}.items():
+      with open(os.path.join(tmp, name), 'w') as f:
+        json.dump(content, f, indent=2, sort_keys=True)
     # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.
     os.chmod(tmp, 0o777 & ~checkpoint.umask())
     if os.path.exists(directory):

@@ -10,6 +10,8 @@ bytes:
   heads_in    theirs (heads·dim, in)      ↔ ours (in, heads, dim)          (q, k, v weights)
   heads_bias  theirs (heads·dim,)         ↔ ours (heads, dim)              (q, k, v biases)
   heads_out   theirs (out, heads·dim)     ↔ ours (heads, dim, out)         (the output weight)
+  lead1       theirs (1, ...)             ↔ ours (...)                     (ViT's position table)
+  lead2       theirs (1, 1, ...)          ↔ ours (...)                     (ViT's class token)
 """
 
 from typing import Callable, Sequence
@@ -17,6 +19,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 Rule = tuple[str, str, str]
+# Layouts whose arrays differ only by leading axes of size one: how many.
+_LEADING = {'lead1': 1, 'lead2': 2}
 
 
 def _to_ours(layout: str, x: np.ndarray, heads: int) -> np.ndarray:
@@ -32,6 +36,8 @@ def _to_ours(layout: str, x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, -1)
   if layout == 'heads_out':
     return x.T.reshape(heads, -1, x.shape[0])
+  if layout in _LEADING:
+    return x.reshape(x.shape[_LEADING[layout]:])
   raise ValueError(f'unknown layout {layout!r}')
 
 
@@ -48,6 +54,8 @@ def _to_theirs(layout: str, x: np.ndarray) -> np.ndarray:
     return x.reshape(-1)
   if layout == 'heads_out':
     return x.reshape(-1, x.shape[-1]).T
+  if layout in _LEADING:
+    return x.reshape((1,) * _LEADING[layout] + x.shape)
   raise ValueError(f'unknown layout {layout!r}')
 
 
@@ -93,4 +101,6 @@ def their_shape(layout: str, shape: Sequence[int]) -> tuple[int, ...]:
     return (shape[0] * shape[1],)
   if layout == 'heads_out':
     return (shape[2], shape[0] * shape[1])
+  if layout in _LEADING:
+    return (1,) * _LEADING[layout] + shape
   raise ValueError(f'unknown layout {layout!r}')

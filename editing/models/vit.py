@@ -8,6 +8,8 @@ live outside the module. The final token states are sown as ``intermediates/hidd
 
 With `activation='quick_gelu'`, `layer_norm_epsilon=1e-5`, CLIP's pixel mean and std and its
 sizes, it is OpenAI CLIP's vision tower exactly (`third_party/hf_clip.py` maps the weights).
+With `patch_bias`, no `pre_norm`, exact GELU and optionally the `pooler` (tanh(dense(·)) of the
+class token), it is Hugging Face's ViTModel (`third_party/hf_vit.py`): ViT, DeiT, DINO.
 The suite's model keeps the defaults: tanh-approximated GELU and flax's LayerNorm epsilon.
 """
 
@@ -100,6 +102,9 @@ class VisionTransformer(nn.Module):
   pixel_std: tuple[float, ...] = (0.25, 0.25, 0.25)
   activation: str = 'gelu_tanh'
   layer_norm_epsilon: float = 1e-6
+  patch_bias: bool = False
+  pre_norm: bool = True
+  pooler: bool = False
   dtype: Dtype = jnp.float32
 
   @nn.compact
@@ -108,19 +113,26 @@ class VisionTransformer(nn.Module):
     preprocessing does, because uncentred pixels make every patch token look alike."""
     images = (images - jnp.asarray(self.pixel_mean)) / jnp.asarray(self.pixel_std)
     x = nn.Conv(self.width, (self.patch_size,) * 2, strides=(self.patch_size,) * 2,
-                padding='VALID', use_bias=False, dtype=self.dtype, name='patch_embed')(images)
+                padding='VALID', use_bias=self.patch_bias, dtype=self.dtype,
+                name='patch_embed')(images)
     batch, h, w, _ = x.shape
     x = x.reshape(batch, h * w, self.width)
     cls = self.param('class_embedding', nn.initializers.normal(self.width**-0.5), (self.width,))
     x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (batch, 1, self.width)), x], axis=1)
     pos = self.param('position_embedding', _sincos_2d_init(h, w), (h * w + 1, self.width))
     norm = lambda name: nn.LayerNorm(self.layer_norm_epsilon, dtype=self.dtype, name=name)
-    x = norm('ln_pre')(x + pos.astype(x.dtype))
+    x = x + pos.astype(x.dtype)
+    if self.pre_norm:
+      x = norm('ln_pre')(x)
     for i in range(self.depth):
       x = Block(self.num_heads, self.mlp_dim, self.activation, self.layer_norm_epsilon,
                 self.dtype, name=f'blocks_{i}')(x)
     self.sow('intermediates', 'hidden', x)
+    # LayerNorm is per token: normalising the class token alone equals taking it from the
+    # normalised sequence, as ViTModel does.
     x = norm('ln_post')(x[:, 0])
+    if self.pooler:
+      x = jnp.tanh(nn.Dense(self.width, dtype=self.dtype, name='pooler')(x))
     if self.embed_dim is None:
       return x
     return nn.Dense(self.embed_dim, use_bias=False, dtype=self.dtype, name='proj')(x)
@@ -128,7 +140,8 @@ class VisionTransformer(nn.Module):
 
 def build(config: ml_collections.ConfigDict) -> VisionTransformer:
   """The encoder a `config.model` section describes; keys it omits take the suite's defaults
-  (activation, layer_norm_epsilon, pixel_mean, pixel_std, dtype)."""
+  (activation, layer_norm_epsilon, pixel_mean, pixel_std, patch_bias, pre_norm, pooler,
+  dtype)."""
   activation = config.get('activation', 'gelu_tanh')
   if activation not in ACTIVATIONS:
     raise UserError(f'config.model.activation = {activation!r}: must be one of '
@@ -140,4 +153,7 @@ def build(config: ml_collections.ConfigDict) -> VisionTransformer:
       pixel_mean=tuple(config.get('pixel_mean', defaults.pixel_mean)),
       pixel_std=tuple(config.get('pixel_std', defaults.pixel_std)), activation=activation,
       layer_norm_epsilon=config.get('layer_norm_epsilon', defaults.layer_norm_epsilon),
+      patch_bias=config.get('patch_bias', defaults.patch_bias),
+      pre_norm=config.get('pre_norm', defaults.pre_norm),
+      pooler=config.get('pooler', defaults.pooler),
       dtype=jnp.dtype(config.get('dtype', 'float32')))
