@@ -104,6 +104,11 @@ def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
     curve lists, per α, validation accuracies and their mean normalized accuracy.
   """
   names = list(heads)
+  unlearned = [t for t in names if not finetuned[t]['val'] or not finetuned[t]['test']]
+  if unlearned:
+    raise UserError(f'the fine-tuned models of {unlearned} classify no validation or test '
+                    'example correctly, so accuracy normalized by theirs is undefined; '
+                    'fine-tune longer or check the data')
   curve = []
   for alpha in alphas:
     params = evaluator.edit(theta0, vector, alpha)
@@ -171,8 +176,11 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
   """
   if len(vectors) != 2 or len(heads) != 2 or len(data) != 2:
     raise ValueError('disentanglement takes exactly two task vectors, heads and datasets')
-  both = Dataset(np.concatenate([d.images for d in data]),
-                 np.concatenate([d.labels for d in data]))
+  # Read (and, for images on disk, decoded) once for the whole grid. Every dataset's images
+  # are 8-bit, so storing them back as uint8 loses nothing.
+  loaded = [d.batch(np.arange(len(d))) for d in data]
+  both = Dataset(np.round(np.concatenate([x for x, _ in loaded]) * 255).astype(np.uint8),
+                 np.concatenate([y for _, y in loaded]))
   ends = np.cumsum([len(d) for d in data])[:-1]
 
   def predictions(params):

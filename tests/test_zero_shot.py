@@ -20,9 +20,10 @@ TEMPLATES = ['a photo of a {} .', 'a {} in the wild .', '{}']
 BOS, PAD, EOS = 0, 1, TEXT['eos_token_id']
 
 
-def save_tokenizer(directory):
-  """A word-level tokenizer.json with CLIP's start and end tokens, padded to the context."""
-  words = sorted({w for t in TEMPLATES for n in CLASSNAMES for w in t.format(n).split()})
+def save_tokenizer(directory, texts):
+  """A word-level tokenizer.json over the words of `texts`, with CLIP's start and end tokens,
+  padded to the context."""
+  words = sorted({w for t in texts for w in t.split()})
   vocab = {'<|startoftext|>': BOS, '<pad>': PAD, '<|endoftext|>': EOS,
            **{w: i + 2 for i, w in enumerate(words)}}
   tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='<pad>'))
@@ -43,7 +44,7 @@ def clip(tmp_path_factory):
   model = transformers.CLIPModel(transformers.CLIPConfig(
       text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval()
   model.save_pretrained(directory)
-  save_tokenizer(directory)
+  save_tokenizer(directory, [t.format(n) for t in TEMPLATES for n in CLASSNAMES])
   return model, str(directory)
 
 

@@ -10,11 +10,13 @@ Three layouts people keep the 8-task benchmark in:
 
 Each gives an `ImageDataset`, which the one training loop and the evaluator read like the
 built-in suite's `Dataset`: `len`, `labels`, `batch(indices) -> (float32 images in [0, 1],
-labels)`, `take(n)`. Only the labels live in memory; an image is read and decoded when a batch
-asks for it, then resized as CLIP's preprocessing does (`Preprocess`: the shorter side to
-`size` by bicubic resampling, a centre crop; the model standardises with its own pixel mean and
-std). Parquet row groups are read once each through a small cache, so a batch touches only the
-groups its rows are in.
+labels)`, `take(n)`; and its class names where the data has them (the folders' names, a parquet
+export's ClassLabel names). `load_task` finds a dataset's splits in any of the three layouts and
+makes the train/val/test `Task` the jobs read. Only the labels live in memory; an image is read
+and decoded when a batch asks for it, then resized as CLIP's preprocessing does (`Preprocess`:
+the shorter side to `size` by bicubic resampling, a centre crop; the model standardises with its
+own pixel mean and std). Parquet row groups are read once each through a small cache, so a
+batch touches only the groups its rows are in.
 
 The training loop prepares the next batch in a background thread while the device runs the
 current step (`editing.train`), which keeps decoding off the critical path. grain is not used:
@@ -26,12 +28,15 @@ batch sizes these jobs use.
 import collections
 import dataclasses
 import io
+import json
 import os
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
 from PIL import Image
 
+from editing.data import suite
 from editing.errors import UserError
 
 _EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.tif', '.tiff', '.webp', '.ppm')
@@ -76,6 +81,12 @@ class ImageDataset:
   def take(self, n: int) -> 'ImageDataset':
     """The first n examples (all of them if there are fewer)."""
     return ImageDataset(self._read, self.labels[:n], self.preprocess, self.classes)
+
+  def subset(self, indices: np.ndarray) -> 'ImageDataset':
+    """The examples at `indices`, in that order."""
+    indices = np.asarray(indices)
+    return ImageDataset(lambda i: self._read(int(indices[i])), self.labels[indices],
+                        self.preprocess, self.classes)
 
 
 def folder(root: str, split: str, preprocess: Preprocess = Preprocess()) -> ImageDataset:
@@ -135,6 +146,7 @@ def parquet(path: str, preprocess: Preprocess = Preprocess(), *, image_column: s
   if missing:
     raise UserError(f'{path} has no column(s) {missing}; it has {columns}')
   labels = file.read(columns=[label_column]).column(label_column).to_numpy()
+  classes = _class_label_names(file.schema_arrow.metadata or {}, label_column)
   starts = np.cumsum([0] + [file.metadata.row_group(g).num_rows
                             for g in range(file.num_row_groups)])
   cache: collections.OrderedDict = collections.OrderedDict()
@@ -155,4 +167,53 @@ def parquet(path: str, preprocess: Preprocess = Preprocess(), *, image_column: s
     except (OSError, ValueError, TypeError) as e:
       raise UserError(f'{path}: row {i} of {image_column} is not an encoded image ({e})') from None
 
-  return ImageDataset(read, labels, preprocess)
+  return ImageDataset(read, labels, preprocess, classes)
+
+
+def _class_label_names(metadata: dict, label_column: str) -> list[str] | None:
+  """The ClassLabel names the `datasets` library records in a parquet export's schema."""
+  try:
+    features = json.loads(metadata[b'huggingface'])['info']['features']
+    return list(features[label_column]['names'])
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def load_split(root: str, split: str, preprocess: Preprocess) -> ImageDataset | None:
+  """The split of the dataset at `root` in whichever layout it is kept: <root>/<split>/
+  (folders), <root>/<split>.parquet or <root>/<split>.npz; None if there is none."""
+  if os.path.isdir(os.path.join(root, split)):
+    return folder(root, split, preprocess)
+  for extension, reader in (('.parquet', parquet), ('.npz', npz)):
+    path = os.path.join(root, split + extension)
+    if os.path.exists(path):
+      return reader(path, preprocess)
+  return None
+
+
+def load_task(root: str, name: str, *, val_fraction: float, max_val: int = 5000, seed: int = 0,
+              preprocess: Preprocess = Preprocess()) -> suite.Task:
+  """The dataset at <root>/<name> as a `suite.Task`: its train and test splits, and its val
+  split if it has one, else a seeded `val_fraction` (at most `max_val`) of train held out, as
+  the task-arithmetic protocol does."""
+  directory = os.path.join(root, name)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'no dataset {name!r}: {directory} is not a directory')
+  splits = {s: load_split(directory, s, preprocess) for s in ('train', 'val', 'test')}
+  missing = [s for s in ('train', 'test') if splits[s] is None]
+  if missing:
+    raise FileNotFoundError(f'{directory} has no {" or ".join(missing)} split: expected '
+                            f'<split>/ class folders, <split>.parquet or <split>.npz')
+  train, val, test = splits['train'], splits['val'], splits['test']
+  if val is None:
+    order = np.random.default_rng([seed, zlib.crc32(name.encode())]).permutation(len(train))
+    held_out = min(max_val, max(1, int(round(val_fraction * len(train)))))
+    train, val = train.subset(np.sort(order[held_out:])), train.subset(np.sort(order[:held_out]))
+  classes = train.classes or test.classes
+  if train.classes and test.classes and train.classes != test.classes:
+    raise UserError(f'{directory}: the train and test splits name different classes')
+  num_classes = len(classes) if classes else int(max(train.labels.max(), test.labels.max())) + 1
+  for split, data in (('train', train), ('val', val), ('test', test)):
+    if len(data) and (data.labels.min() < 0 or data.labels.max() >= num_classes):
+      raise UserError(f'{directory}: {split} labels lie outside 0..{num_classes - 1}')
+  return suite.Task(name, num_classes, train, val, test)

@@ -11,7 +11,6 @@ from absl import logging
 from editing import checkpoint
 from editing import evaluate
 from editing import tree as tree_lib
-from editing.data import suite
 from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import report
@@ -32,19 +31,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # heads is refused, as fine-tuning refuses it.
   workdir_lib.check_job_config(
       workdir_lib.evaluation_root(workdir),
-      {'suite': experiment.suite_settings(config, 'train_size', 'pretrain_size'),
+      {**experiment.data_settings(config, 'train_size', 'pretrain_size'),
        'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)})
   workdir_lib.use_compilation_cache(workdir)
-  data = {t: experiment.load_task(config, t) for t in names + [suite.CONTROL_TASK]}
+  control = experiment.control_task(config)
+  if control in names:
+    raise UserError(f'the control task {control!r} is also one of the tasks ({",".join(names)}); '
+                    'negation needs a control that no task vector was fine-tuned on')
+  data = {t: experiment.load_task(config, t) for t in names + [control]}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in data}
   pretrained_evaluator = experiment.evaluator(config, apply_fn, 'full')
   pretrained = {t: pretrained_evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
                 for t in data}
-  results = {'tasks': names, 'control_task': suite.CONTROL_TASK, 'regimes': {}}
+  results = {'tasks': names, 'control_task': control, 'regimes': {}}
   for regime in regimes:
     results['regimes'][regime] = evaluate_regime(config, workdir, regime, theta0, apply_fn,
-                                                 vectors[regime], data, heads, pretrained,
-                                                 pairs)
+                                                 vectors[regime], data, control, heads,
+                                                 pretrained, pairs)
   checkpoint.atomic_write_json(os.path.join(workdir, 'results.json'), results)
   checkpoint.atomic_write_bytes(os.path.join(workdir, 'report.md'),
                                 report.comparison_markdown(results).encode())
@@ -63,16 +66,16 @@ def disentanglement_pairs(config: ml_collections.ConfigDict,
     pair = tuple(t.strip() for t in item.split(':'))
     if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(names):
       raise UserError(f'config.eval.disentanglement_pairs: {item!r} is not two different '
-                       f'tasks of config.suite.tasks ({",".join(names)}) as "a:b"')
+                       f'configured tasks ({",".join(names)}) as "a:b"')
     pairs.append(pair)
   return pairs
 
 
-def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, heads, pretrained,
-                    pairs) -> dict:
-  """The protocols for one regime's task vectors ({task: vector}); also written to
-  evaluation/<regime>/."""
-  names = [t for t in data if t != suite.CONTROL_TASK]
+def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, control, heads,
+                    pretrained, pairs) -> dict:
+  """The protocols for one regime's task vectors ({task: vector}), the task `control` held
+  out of them; also written to evaluation/<regime>/."""
+  names = [t for t in data if t != control]
   evaluator = experiment.evaluator(config, apply_fn, regime)
   alphas = evaluate.alpha_grid(config.eval.alpha_step)
 
@@ -87,14 +90,14 @@ def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, he
       finetuned=finetuned, alphas=alphas)
 
   negation = {}
-  control = data[suite.CONTROL_TASK]
   for t in names:
     logging.info('%s: task negation of %s', regime, t)
     negation[t] = evaluate.task_negation(
         evaluator, theta0, vectors[t], head=heads[t], val=data[t].val, test=data[t].test,
-        control_head=heads[suite.CONTROL_TASK],
-        control_val=control.val.take(config.eval.control_val_size),
-        control_test=control.test, alphas=alphas, threshold=config.eval.negation_threshold)
+        control_head=heads[control],
+        control_val=data[control].val.take(config.eval.control_val_size),
+        control_test=data[control].test, alphas=alphas,
+        threshold=config.eval.negation_threshold)
 
   grid = evaluate.disentanglement_grid(config.eval.disentanglement_limit,
                                        config.eval.disentanglement_points)
@@ -107,7 +110,7 @@ def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, he
         evaluator, theta0, (vectors[a], vectors[b]), heads=(heads[a], heads[b]),
         data=(data[a].test.take(size), data[b].test.take(size)), alphas=grid).tolist()
 
-  results = {'regime': regime, 'tasks': names, 'control_task': suite.CONTROL_TASK,
+  results = {'regime': regime, 'tasks': names, 'control_task': control,
              'pretrained': pretrained, 'finetuned': finetuned, 'addition': addition,
              'negation': negation, 'negation_threshold': config.eval.negation_threshold,
              'disentanglement': {'alphas': grid, 'xi': xi,

@@ -1,8 +1,16 @@
 """What every job reads from an experiment's config and workdir: the tasks, regimes and triggers
-it names, the suite's data, the mesh, the model, the pretrained backbone θ0, the frozen heads and
-the evaluator; and `validate`, the check every job makes before it writes anything."""
+it names, their data, the mesh, the model, the pretrained backbone θ0, the frozen heads and the
+evaluator; and `validate`, the check every job makes before it writes anything.
+
+The data is the built-in suite (`config.suite`), or, when the config has a `data` section
+(configs/clip_8task.py), datasets on local disk: <config.data_root>/<name> in any layout
+`editing.data.images` reads, with the control task of negation named by `config.data.control`.
+"""
 
 import fnmatch
+import functools
+import json
+import math
 import numbers
 import os
 from typing import Any, Callable, Sequence
@@ -15,12 +23,16 @@ from editing import evaluate
 from editing import regimes
 from editing import sharding
 from editing import tree as tree_lib
+from editing.data import images
 from editing.data import suite
 from editing.data import triggers
 from editing.errors import UserError
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
+from editing.models import hf
+from editing.models import text
 from editing.models import vit
+from editing.models import zero_shot
 from editing.task_vector import TaskVector
 
 
@@ -60,7 +72,8 @@ _RANGES = (
     ('*logit_scale', _number(0, _INF, open_low=True)),
     ('*.grad_clip', _number(0, _INF, open_low=True)),
     ('*.weight_decay', _number(0, _INF)),
-    ('suite.val_fraction', _number(0, 1, open_low=True, open_high=True)),
+    ('*.val_fraction', _number(0, 1, open_low=True, open_high=True)),
+    ('data.epochs.*', _number(0, _INF, open_low=True)),
     ('poison.rate', _number(0, 1)),
     ('talos.keep', _number(0, 1, open_low=True)),
     ('*.density', _number(0, 1, open_low=True)),
@@ -112,10 +125,37 @@ def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list
   return names
 
 
+def on_disk(config: ml_collections.ConfigDict) -> bool:
+  """Whether the tasks are datasets on local disk (a `data` section) rather than the suite."""
+  return 'data' in config
+
+
 def tasks(config: ml_collections.ConfigDict) -> list[str]:
-  """The downstream tasks named by `config.suite.tasks`, validated."""
+  """The downstream tasks named by `config.suite.tasks` (or `config.data.tasks`), validated."""
+  if on_disk(config):
+    return names_from(config.data.tasks, key='config.data.tasks', kind='dataset',
+                      known=_datasets_on_disk(config))
   return names_from(config.suite.tasks, key='config.suite.tasks', kind='task',
                     known=suite.DOWNSTREAM_TASKS)
+
+
+def control_task(config: ml_collections.ConfigDict) -> str:
+  """The task negation must not harm: the suite's shapes, or `config.data.control`."""
+  if not on_disk(config):
+    return suite.CONTROL_TASK
+  if not config.data.control:
+    raise UserError('config.data.control is empty: name the dataset under config.data_root '
+                    'that negation must not harm (the papers use ImageNet)')
+  return names_from(config.data.control, key='config.data.control', kind='dataset',
+                    known=_datasets_on_disk(config))[0]
+
+
+def _datasets_on_disk(config: ml_collections.ConfigDict) -> list[str]:
+  root = config.data_root
+  if not root or not os.path.isdir(root):
+    raise UserError(f'config.data_root = {root!r} is not a directory; set --config.data_root '
+                    'to the directory that holds one folder per dataset')
+  return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
 
 
 def configured_regimes(config: ml_collections.ConfigDict) -> list[regimes.Regime]:
@@ -134,7 +174,7 @@ def poisoned_tasks(config: ml_collections.ConfigDict) -> list[str]:
   if not config.poison.tasks.strip():
     return []
   return names_from(config.poison.tasks, key='config.poison.tasks', kind='task',
-                    known=suite.DOWNSTREAM_TASKS)
+                    known=tasks(config) if on_disk(config) else suite.DOWNSTREAM_TASKS)
 
 
 def trigger(config: ml_collections.ConfigDict, name: str) -> triggers.Trigger:
@@ -148,14 +188,33 @@ def _section(config: ml_collections.ConfigDict, name: str) -> dict | None:
 
 
 def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:
+  if on_disk(config):
+    return images.load_task(config.data_root, name, val_fraction=config.data.val_fraction,
+                            seed=config.data.seed,
+                            preprocess=images.Preprocess(config.data.image_size))
   size = config.suite.pretrain_size if name == suite.CONTROL_TASK else config.suite.train_size
   return suite.load_task(name, seed=config.suite.seed, train_size=size,
                          test_size=config.suite.test_size, val_fraction=config.suite.val_fraction)
 
 
-def suite_settings(config: ml_collections.ConfigDict, *names: str) -> dict:
-  """The named `config.suite` fields, for recording what a job's data depended on."""
-  return {name: config.suite[name] for name in ('seed', 'val_fraction', 'test_size') + names}
+def data_settings(config: ml_collections.ConfigDict, *suite_fields: str) -> dict:
+  """What a job's data depends on, for its record, under the config key it comes from: the
+  named `config.suite` fields, or `config.data` and the data root."""
+  if on_disk(config):
+    return {'data': {'root': os.path.abspath(config.data_root), **config.data.to_dict()}}
+  return {'suite': {name: config.suite[name] for name in ('seed', 'val_fraction', 'test_size') +
+                    suite_fields}}
+
+
+def finetune_settings(config: ml_collections.ConfigDict,
+                      task: suite.Task) -> ml_collections.ConfigDict:
+  """`config.finetune` for `task`; on disk, a task listed in `config.data.epochs` trains for
+  that many epochs of its training split (the papers' budget per dataset)."""
+  settings = ml_collections.ConfigDict(config.finetune.to_dict())
+  epochs = config.data.epochs.get(task.name) if on_disk(config) else None
+  if epochs:
+    settings.steps = math.ceil(epochs * len(task.train) / settings.batch_size)
+  return settings
 
 
 def mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
@@ -214,10 +273,39 @@ def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> 
 
 def head(config: ml_collections.ConfigDict, workdir: str, task: suite.Task, theta0: Any,
          apply_fn) -> jax.Array:
-  """The task's frozen prototype head on θ0, fitted once and cached in the workdir."""
+  """The task's frozen head, made once and cached in the workdir: zero-shot from the text
+  tower of `config.weights` when it has one, else the prototypes of θ0's embeddings."""
   path = workdir_lib.head_file(workdir, task.name)
   if not os.path.exists(path):
-    features = evaluator(config, apply_fn, 'full').features(theta0, theta0, task.train)
-    checkpoint.save_tree(path, {'head': head_lib.fit_prototypes(
-        features, task.train.labels, task.num_classes)})
+    if config.get('weights') and _has_text_tower(config.weights):
+      weights = zero_shot_head(config, task)
+    else:
+      features = evaluator(config, apply_fn, 'full').features(theta0, theta0, task.train)
+      weights = head_lib.fit_prototypes(features, task.train.labels, task.num_classes)
+    checkpoint.save_tree(path, {'head': weights})
   return checkpoint.load_tree(path)[0]['head']
+
+
+def _has_text_tower(weights: str) -> bool:
+  return any(n.startswith('text_model.') for n in hf.Checkpoint(weights).files)
+
+
+@functools.lru_cache(maxsize=2)
+def _text_tower(weights: str):
+  params, model = hf.load(weights, 'clip_text')
+  return params, model, text.Tokenizer(weights)
+
+
+def zero_shot_head(config: ml_collections.ConfigDict, task: suite.Task):
+  """The zero-shot head of `task` from the text tower of `config.weights`, its class names
+  (underscores read as spaces) in the templates of `config.data` for this dataset."""
+  if not task.train.classes:
+    raise UserError(f'dataset {task.name!r} names no classes (an .npz has none); keep it as '
+                    'class folders or a parquet export with ClassLabel names for a zero-shot head')
+  templates = list(config.data.templates)
+  if config.data.templates_file:
+    with open(config.data.templates_file) as f:
+      templates = json.load(f).get(task.name, templates)
+  params, model, tokenizer = _text_tower(config.weights)
+  classnames = [c.replace('_', ' ') for c in task.train.classes]
+  return zero_shot.head(params, model, tokenizer, classnames, templates)

@@ -1,4 +1,4 @@
-"""Fine-tuning θ0 on one task of the suite in one regime, and saving its task vector.
+"""Fine-tuning θ0 on one task in one regime, and saving its task vector.
 
 A task named in `config.poison.tasks` is fine-tuned on its poisoned training set: the same
 loop, other data.
@@ -38,7 +38,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   workdir_lib.use_compilation_cache(workdir)
   poisoned = task_name in experiment.poisoned_tasks(config)
   settings = {'finetune': config.finetune.to_dict(), 'regime': dataclasses.asdict(regime),
-              'suite': experiment.suite_settings(config, 'train_size'),
+              **experiment.data_settings(config, 'train_size'),
               'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)}
   if poisoned:
     settings['poison'] = {**config.poison.to_dict(), 'tasks': task_name,
@@ -61,7 +61,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   mask_file = os.path.join(directory, workdir_lib.UPDATE_MASK)
   update_mask = _update_mask(config, mask_file, regime, task, theta0,
                              head_lib.logits_fn(encoder, theta0, head, config.head.logit_scale))
-  finetuned = train.train(config.finetune,
+  finetuned = train.train(experiment.finetune_settings(config, task),
                           loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
                           params=theta0, trainable=regime.trainable(theta0),
                           consts={'theta0': theta0, 'head': head}, data=train_data,

@@ -1,10 +1,12 @@
-"""The suite's backbone θ0: the shipped one, or pretrained with a cosine head learned jointly
-and then discarded.
+"""The backbone θ0: imported from real weights, the suite's shipped one, or pretrained with a
+cosine head learned jointly and then discarded.
 
-By default θ0 is the backbone the project ships (`SHIPPED`, a safetensors file beside its record:
-sha256, model, pretraining settings, the command that regenerates it), copied into the workdir
-after its hash and settings are checked against the config. `config.pretrain.from_scratch`
-pretrains instead, on `config.pretrain.corpus`:
+With `config.weights` (a Hugging Face CLIP directory), θ0 is its image tower, imported once
+into the workdir. Otherwise θ0 is the suite's: by default the backbone the project ships
+(`SHIPPED`, a safetensors file beside its record: sha256, model, pretraining settings, the
+command that regenerates it), copied into the workdir after its hash and settings are checked
+against the config. `config.pretrain.from_scratch` pretrains instead, on
+`config.pretrain.corpus`:
 - 'captions': every word of a captioned scene (`editing.data.captions`): broad attributes at a
   coarser grain than the downstream tasks, a multi-label sigmoid per word;
 - 'shapes': the control task alone, an 8-way softmax.
@@ -29,6 +31,7 @@ from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
+from editing.models import hf
 
 CORPORA = ('captions', 'shapes')
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
@@ -66,20 +69,44 @@ def shipped_backbone(config: ml_collections.ConfigDict) -> str:
   return path
 
 
+def import_weights(config: ml_collections.ConfigDict, out: str) -> None:
+  """θ0 from the image tower of the Hugging Face CLIP checkpoint `config.weights`, written to
+  `out` once its architecture is the one `config.model` describes."""
+  params, model = hf.load(config.weights, 'clip_vision', dtype=config.model.dtype)
+  wanted = config.model.to_dict()
+  differences = [f'config.model.{key} = {wanted.get(key)!r} (checkpoint: {model.get(key)!r})'
+                 for key in sorted(wanted.keys() | model.keys())
+                 if _plain(wanted.get(key)) != _plain(model.get(key))]
+  if differences:
+    raise UserError(f'{config.weights} is not the model the config describes: '
+                    f'{"; ".join(differences)}; choose the config variant of these weights')
+  checkpoint.save_tree(out, params, {'model': wanted})
+  logging.info('imported θ0 from %s to %s', config.weights, out)
+
+
+def _plain(value):
+  """Lists and tuples compare as lists (a config holds tuples, JSON gives lists)."""
+  return list(value) if isinstance(value, (list, tuple)) else value
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes <workdir>/pretrain/params.safetensors unless it is there: the shipped backbone, or
-  encoder + head trained from scratch."""
+  """Writes <workdir>/pretrain/params.safetensors unless it is there: θ0 imported from
+  `config.weights`, the shipped backbone, or encoder + head trained from scratch."""
   experiment.validate(config)
-  if config.pretrain.corpus not in CORPORA:
-    raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r}: must be one of '
-                    f'{CORPORA}')
   out = workdir_lib.pretrained_file(workdir)
   directory = workdir_lib.pretrain_dir(workdir)
-  sections = {'model': config.model.to_dict(), 'pretrain': config.pretrain.to_dict()}
-  if config.pretrain.corpus == 'shapes':
-    # The captions corpus is drawn from the pretraining seed alone: one backbone serves
-    # every suite seed.
-    sections['suite'] = experiment.suite_settings(config, 'pretrain_size')
+  sections = {'model': config.model.to_dict()}
+  if config.get('weights'):
+    sections['weights'] = os.path.abspath(config.weights)
+  else:
+    if config.pretrain.corpus not in CORPORA:
+      raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r}: must be one of '
+                      f'{CORPORA}')
+    sections['pretrain'] = config.pretrain.to_dict()
+    if config.pretrain.corpus == 'shapes':
+      # The captions corpus is drawn from the pretraining seed alone: one backbone serves
+      # every suite seed.
+      sections.update(experiment.data_settings(config, 'pretrain_size'))
   os.makedirs(directory, exist_ok=True)
   workdir_lib.use_compilation_cache(workdir)
   workdir_lib.check_job_config(directory, sections)
@@ -89,6 +116,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
       raise UserError(f'{out} holds a backbone of model {recorded}, not config.model '
                       f'{config.model.to_dict()}; use another --workdir')
     logging.info('pretrained backbone found at %s', out)
+    return
+  if config.get('weights'):
+    import_weights(config, out)
     return
   if not config.pretrain.from_scratch:
     shipped = shipped_backbone(config)

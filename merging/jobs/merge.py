@@ -173,7 +173,7 @@ def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
   section = config.get(merging.get(name).section or name)
   shared = {k: v for k, v in config.merge.to_dict().items() if k != 'methods'}
   return {'method': section.to_dict() if section is not None else {}, 'merge': shared,
-          'eval': config.eval.to_dict(), 'suite': experiment.suite_settings(config, 'train_size')}
+          'eval': config.eval.to_dict(), **experiment.data_settings(config, 'train_size')}
 
 
 @dataclasses.dataclass(frozen=True)
