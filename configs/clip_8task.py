@@ -6,7 +6,8 @@ r"""CLIP on the 8-task benchmark from local disk: the same jobs as the built-in 
   python -m launch.finetune --config=configs/clip_8task.py:vit_b32 ... --task=cars
   python -m launch.merge --config=configs/clip_8task.py:vit_b32 ... --config.merge.methods=ties
 
-`config.weights` is a Hugging Face CLIPModel directory (config.json, safetensors, tokenizer.json):
+`config.weights` is a CLIP directory, Hugging Face's CLIPModel (config.json, safetensors) or
+open_clip's (open_clip_config.json, open_clip_model.safetensors), with its tokenizer.json:
 θ0 is its image tower, and each dataset's frozen head is zero-shot from its text tower (the
 class names in `data.templates`, or per dataset in the JSON file `data.templates_file`,
 {"cars": ["a photo of a {}, a type of car.", ...]}). `config.data_root` holds one directory per

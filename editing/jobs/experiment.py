@@ -277,7 +277,7 @@ def head(config: ml_collections.ConfigDict, workdir: str, task: suite.Task, thet
   tower of `config.weights` when it has one, else the prototypes of θ0's embeddings."""
   path = workdir_lib.head_file(workdir, task.name)
   if not os.path.exists(path):
-    if config.get('weights') and _has_text_tower(config.weights):
+    if config.get('weights') and hf.clip_towers(config.weights)[1]:
       weights = zero_shot_head(config, task)
     else:
       features = evaluator(config, apply_fn, 'full').features(theta0, theta0, task.train)
@@ -286,13 +286,9 @@ def head(config: ml_collections.ConfigDict, workdir: str, task: suite.Task, thet
   return checkpoint.load_tree(path)[0]['head']
 
 
-def _has_text_tower(weights: str) -> bool:
-  return any(n.startswith('text_model.') for n in hf.Checkpoint(weights).files)
-
-
 @functools.lru_cache(maxsize=2)
 def _text_tower(weights: str):
-  params, model = hf.load(weights, 'clip_text')
+  params, model = hf.load(weights, hf.clip_towers(weights)[1])
   return params, model, text.Tokenizer(weights)
 
 

@@ -1,8 +1,8 @@
 """The backbone θ0: imported from real weights, the suite's shipped one, or pretrained with a
 cosine head learned jointly and then discarded.
 
-With `config.weights` (a Hugging Face CLIP directory), θ0 is its image tower, imported once
-into the workdir. Otherwise θ0 is the suite's: by default the backbone the project ships
+With `config.weights` (a CLIP directory, Hugging Face's or open_clip's), θ0 is its image
+tower, imported once into the workdir. Otherwise θ0 is the suite's: by default the backbone the project ships
 (`SHIPPED`, a safetensors file beside its record: sha256, model, pretraining settings, the
 command that regenerates it), copied into the workdir after its hash and settings are checked
 against the config. `config.pretrain.from_scratch` pretrains instead, on
@@ -70,9 +70,10 @@ def shipped_backbone(config: ml_collections.ConfigDict) -> str:
 
 
 def import_weights(config: ml_collections.ConfigDict, out: str) -> None:
-  """θ0 from the image tower of the Hugging Face CLIP checkpoint `config.weights`, written to
-  `out` once its architecture is the one `config.model` describes."""
-  params, model = hf.load(config.weights, 'clip_vision', dtype=config.model.dtype)
+  """θ0 from the image tower of the CLIP checkpoint `config.weights` (Hugging Face's layout or
+  open_clip's), written to `out` once its architecture is the one `config.model` describes."""
+  params, model = hf.load(config.weights, hf.clip_towers(config.weights)[0],
+                          dtype=config.model.dtype)
   wanted = config.model.to_dict()
   differences = [f'config.model.{key} = {wanted.get(key)!r} (checkpoint: {model.get(key)!r})'
                  for key in sorted(wanted.keys() | model.keys())

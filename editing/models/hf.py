@@ -13,8 +13,9 @@ a failure leaves nothing at the target path.
 
 Families (`FAMILIES`), each with its key map in third_party/: 'clip_vision' and 'clip_text' (the
 towers of CLIPModel and of CLIP{Vision,Text}Model[WithProjection]; hf_clip.py), 'vit' (ViTModel
-and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py) and 'bert'
-(BertModel, and the `bert.` part of BERT task models; hf_bert.py).
+and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py), 'bert'
+(BertModel, and the `bert.` part of BERT task models; hf_bert.py), and, read only,
+'open_clip_vision' and 'open_clip_text' (open_clip's CLIP state dicts; open_clip.py).
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ from editing.models import vit
 from third_party import hf_bert
 from third_party import hf_clip
 from third_party import hf_vit
+from third_party import open_clip
 
 SINGLE = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
@@ -48,13 +50,17 @@ _PICKLES = ('pytorch_model.bin', 'model.bin', 'model.pt', 'model.pth', 'model.ck
 
 
 class Checkpoint:
-  """The tensors of a Hugging Face model directory, or of one .safetensors file, read lazily."""
+  """The tensors of a Hugging Face model directory (or an open_clip one: open_clip_config.json
+  and open_clip_model.safetensors), or of one .safetensors file, read lazily."""
 
   def __init__(self, path: str):
     self.path = path
     self._headers: dict[str, tuple[dict, int]] = {}
     if os.path.isdir(path):
-      self.config = _read_json(os.path.join(path, 'config.json'))
+      open_clip_config = os.path.join(path, open_clip.CONFIG)
+      self.config = _read_json(open_clip_config if os.path.exists(open_clip_config) and
+                               not os.path.exists(os.path.join(path, 'config.json'))
+                               else os.path.join(path, 'config.json'))
       self.files = self._weight_map(path)
     else:
       self.config = {}
@@ -78,8 +84,9 @@ class Checkpoint:
             raise UserError(f'{index} puts {name} in {shard}, which does not hold it')
         files.update(stored)
       return files
-    if os.path.exists(single):
-      return self._names_of(single)
+    for file in (single, os.path.join(directory, open_clip.WEIGHTS)):
+      if os.path.exists(file):
+        return self._names_of(file)
     pickled = [f for f in sorted(os.listdir(directory)) if f in _PICKLES or
                f.endswith(('.bin', '.pt', '.pth', '.ckpt'))]
     if pickled:
@@ -145,7 +152,9 @@ class Family:
 
   rules: tuple  # keymap rules (our path, their name, layout)
   model_config: Callable[['Checkpoint'], dict]  # our config.model from the checkpoint
-  hf_config: Callable[[dict], dict]  # their config.json from our config.model
+  # Their config.json from our config.model; None for a format not written here (open_clip's
+  # towers are exported in Hugging Face's layout, as 'clip_vision' and 'clip_text').
+  hf_config: Callable[[dict], dict] | None
   build: Callable[[ml_collections.ConfigDict], Any]  # the flax module
   example_inputs: Callable[[dict], tuple]  # inputs that trace the module (shapes only)
   owned: Callable[[str], bool]  # which of a file's tensors belong to this model
@@ -205,6 +214,19 @@ FAMILIES = {
             (1, m['image_size'], m['image_size'], 3), jnp.float32),),
         owned=lambda name: not name.startswith(hf_vit.NOT_OWNED_PREFIXES), prefix='vit.',
         extra_configs=lambda m: {'preprocessor_config.json': hf_vit.preprocessor_config(m)}),
+    'open_clip_vision': Family(
+        rules=open_clip.RULES, model_config=lambda ckpt: open_clip.model_config(ckpt.config),
+        hf_config=None, build=vit.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct(
+            (1, m['image_size'], m['image_size'], 3), jnp.float32),),
+        owned=lambda name: name.startswith('visual.')),
+    'open_clip_text': Family(
+        rules=open_clip.TEXT_RULES,
+        model_config=lambda ckpt: open_clip.text_model_config(ckpt.config),
+        hf_config=None, build=clip_text.build,
+        example_inputs=lambda m: (jax.ShapeDtypeStruct((1, m['context_length']), jnp.int32),
+                                  jax.ShapeDtypeStruct((1, m['context_length']), jnp.int32)),
+        owned=lambda name: not name.startswith(open_clip.NOT_TEXT)),
     'bert': Family(
         rules=hf_bert.RULES, model_config=_bert_model_config, hf_config=hf_bert.hf_config,
         build=bert.build,
@@ -213,6 +235,17 @@ FAMILIES = {
         owned=lambda name: not name.startswith(('cls.', 'classifier.', 'qa_outputs.')),
         ignored=hf_bert.IGNORED, prefix='bert.'),
 }
+
+
+def clip_towers(path: str) -> tuple[str, str | None]:
+  """The families of the (image, text) towers of the CLIP checkpoint at `path`, in Hugging
+  Face's or open_clip's layout; the text one is None if the checkpoint has no text tower."""
+  ckpt = Checkpoint(path)
+  if any(n.startswith('visual.') for n in ckpt.files):
+    return 'open_clip_vision', ('open_clip_text' if 'token_embedding.weight' in ckpt.files
+                                else None)
+  return 'clip_vision', ('clip_text' if any(n.startswith('text_model.') for n in ckpt.files)
+                         else None)
 
 
 def load(path: str, family: str, dtype: str = 'float32') -> tuple[dict, dict]:
@@ -255,6 +288,9 @@ def export(directory: str, params: Any, model: dict, family: str, *,
            shard_bytes: int = 2 * 1024**3) -> None:
   """Writes params as a Hugging Face directory of `family` that transformers loads."""
   fam = FAMILIES[family]
+  if fam.hf_config is None:
+    raise UserError(f'{family} models are not written here; export the same params as '
+                    f'{family.replace("open_clip_", "clip_")}, the Hugging Face layout')
   tensors = keymap.to_theirs(keymap.expand(fam.rules, model['depth']), tree_lib.flatten(params))
   save(directory, tensors, fam.hf_config(model), shard_bytes=shard_bytes,
        extra_configs=fam.extra_configs(model))

@@ -12,6 +12,10 @@ bytes:
   heads_out   theirs (out, heads·dim)     ↔ ours (heads, dim, out)         (the output weight)
   lead1       theirs (1, ...)             ↔ ours (...)                     (ViT's position table)
   lead2       theirs (1, 1, ...)          ↔ ours (...)                     (ViT's class token)
+
+A layout may end in `@k/n`: their tensor packs n equal parts along its first axis and the rule
+reads part k (open_clip's `in_proj_weight` holds q, k and v: `heads_in@0/3`, `@1/3`, `@2/3`).
+Exporting concatenates the parts of one name in order.
 """
 
 from typing import Callable, Sequence
@@ -23,7 +27,19 @@ Rule = tuple[str, str, str]
 _LEADING = {'lead1': 1, 'lead2': 2}
 
 
+def _parts(layout: str) -> tuple[str, int, int]:
+  """(the layout proper, the part k, the number of parts n) of 'layout@k/n' (n = 1 without)."""
+  if '@' not in layout:
+    return layout, 0, 1
+  base, part = layout.split('@')
+  k, n = part.split('/')
+  return base, int(k), int(n)
+
+
 def _to_ours(layout: str, x: np.ndarray, heads: int) -> np.ndarray:
+  layout, k, n = _parts(layout)
+  if n > 1:
+    x = np.split(x, n, axis=0)[k]
   if layout == 'copy':
     return x
   if layout == 'linear':
@@ -77,18 +93,34 @@ def to_ours(rules: Sequence[Rule], read: Callable[[str], np.ndarray], heads: int
 
 
 def to_theirs(rules: Sequence[Rule], flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """{their name: array} from our {path: array}; every path must have a rule."""
+  """{their name: array} from our {path: array}; every path must have a rule, and every part of
+  a packed tensor a path."""
   by_path = {ours: (theirs, layout) for ours, theirs, layout in rules}
   missing = [p for p in flat if p not in by_path]
   if missing:
     raise ValueError(f'no rule maps {missing}')
-  return {by_path[p][0]: np.ascontiguousarray(_to_theirs(by_path[p][1], np.asarray(x)))
-          for p, x in flat.items()}
+  parts: dict[str, dict[int, np.ndarray]] = {}
+  counts: dict[str, int] = {}
+  for path, x in flat.items():
+    theirs, layout = by_path[path]
+    base, k, n = _parts(layout)
+    parts.setdefault(theirs, {})[k] = _to_theirs(base, np.asarray(x))
+    counts[theirs] = n
+  incomplete = [t for t, got in parts.items() if len(got) != counts[t]]
+  if incomplete:
+    raise ValueError(f'parts of {incomplete} are missing')
+  return {t: np.ascontiguousarray(np.concatenate([got[k] for k in range(counts[t])]))
+          for t, got in parts.items()}
 
 
 def their_shape(layout: str, shape: Sequence[int]) -> tuple[int, ...]:
-  """The shape their tensor has for our leaf of `shape`."""
-  shape = tuple(shape)
+  """The shape their tensor has for our leaf of `shape` (the whole tensor, for a part)."""
+  layout, _, n = _parts(layout)
+  theirs = _their_part_shape(layout, tuple(shape))
+  return (n * theirs[0],) + theirs[1:]
+
+
+def _their_part_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
   if layout == 'copy':
     return shape
   if layout == 'linear':
