@@ -2,10 +2,10 @@
 cosine head learned jointly and then discarded.
 
 With `config.weights` (a CLIP directory, Hugging Face's or open_clip's), θ0 is its image
-tower, imported once into the workdir. Otherwise θ0 is the suite's: by default the backbone the project ships
-(`SHIPPED`, a safetensors file beside its record: sha256, model, pretraining settings, the
-command that regenerates it), copied into the workdir after its hash and settings are checked
-against the config. `config.pretrain.from_scratch` pretrains instead, on
+tower, imported once into the workdir. Otherwise θ0 is the suite's: by default the backbone the
+project ships (`SHIPPED`, a safetensors file beside its record: sha256, model, pretraining
+settings, the command that regenerates it), copied into the workdir after its hash and settings
+are checked against the config. `config.pretrain.from_scratch` pretrains instead, on
 `config.pretrain.corpus`:
 - 'captions': every word of a captioned scene (`editing.data.captions`): broad attributes at a
   coarser grain than the downstream tasks, a multi-label sigmoid per word;
