@@ -5,6 +5,7 @@ r"""CLIP on the 8-task benchmark from local disk: the same jobs as the built-in 
       --config.data.control=imagenet --workdir=workdir/clip_b32
   python -m launch.finetune --config=configs/clip_8task.py:vit_b32 ... --task=cars
   python -m launch.merge --config=configs/clip_8task.py:vit_b32 ... --config.merge.methods=ties
+  python -m launch.safety --config=configs/clip_8task.py:vit_b32 ... --workdir=workdir/clip_safety
 
 `config.weights` is a CLIP directory, Hugging Face's CLIPModel (config.json, safetensors) or
 open_clip's (open_clip_config.json, open_clip_model.safetensors), with its tokenizer.json:
@@ -69,6 +70,14 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
                          warmup_steps=500, checkpoint_every=500, log_every=50)
   config.eval.update(batch_size=256, disentanglement_points=5, disentanglement_size=500)
   config.talos.batch_size = 16
+  # launch.safety (merging/jobs/safety.py): the first n victims (n in poisoned_counts) are
+  # fine-tuned poisoned (config.poison) with each trigger, and every method merges them with
+  # the clean rest. BadNets' patch is the suite's 4 px at 32 px, scaled to the image size.
+  config.safety = ml_collections.ConfigDict(dict(
+      seeds='0', victims='svhn,mnist', poisoned_counts='1,2', triggers='badnets,blended',
+      methods='task_arithmetic,ties,dare,adamerging_task,adamerging_layer,dam,dam_shared,'
+              'dam_safe,dam_oracle'))
+  config.badnets.size = 4 * image_size // 32
   # launch.export: the merge of `method` in `regime` to a Hugging Face directory.
   config.export = ml_collections.ConfigDict(dict(regime='full', method='task_arithmetic',
                                                  output='', shard_bytes=2 * 1024**3))
@@ -82,4 +91,6 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
                        disentanglement_size=8)
     config.talos.update(batch_size=4, rounds=1)
     config.merge.update(train_examples=8)
+    config.safety.update(victims='', poisoned_counts='1', triggers='badnets',
+                         methods='task_arithmetic,dam')
   return config

@@ -2,6 +2,7 @@
 test writes as class folders and parquet exports; zero-shot heads → fine-tuning in every
 regime → task vectors → evaluation → merges → a Hugging Face export transformers loads."""
 
+import copy
 import io
 import json
 import math
@@ -18,6 +19,8 @@ from PIL import Image
 
 from configs import clip_8task
 from editing import checkpoint
+from editing.data import suite
+from editing.data import triggers
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import experiment
@@ -29,6 +32,7 @@ from editing.models import text
 from editing.models import zero_shot
 from merging.jobs import export
 from merging.jobs import merge
+from merging.jobs import safety
 from tests.test_hf import CONFIG, TEXT, images, ours, theirs, unit
 from tests.test_zero_shot import save_tokenizer
 
@@ -144,6 +148,39 @@ def test_merges_export_to_a_model_transformers_loads(setup, tmp_path):
   exported = tree_lib.flatten(params)
   for path, leaf in tree_lib.flatten(chosen).items():
     np.testing.assert_array_equal(exported[path], np.asarray(leaf))
+
+
+def test_the_backdoor_experiment_runs_on_images_on_disk(setup, tmp_path):
+  config, _ = setup
+  config = copy.deepcopy(config)
+  config.regimes = 'full'
+  config.safety.victims = 'alpha'
+  summary = safety.run(config, str(tmp_path))
+  merges = {m['method']: m for m in summary['merges']}
+  assert set(merges) == {'task_arithmetic', 'dam'}
+  for m in merges.values():
+    assert 0 <= m['succession'] <= 1 and 0 <= m['mean_test'] <= 1
+  assert set(summary['fine_tunes'][0]) == {'clean/alpha', 'clean/beta', 'badnets/alpha'}
+
+
+def test_images_on_disk_carry_a_trigger_as_the_suites_do(setup):
+  config, _ = setup
+  test = experiment.load_task(config, 'alpha').test
+  trigger = triggers.BadNets()
+  clean, labels = test.batch(np.arange(len(test)))
+  in_memory = suite.Dataset(np.round(clean * 255).astype(np.uint8), labels)
+  poisoned = triggers.poison(test, trigger, rate=0.5, target=1, seed=3)
+  expected = triggers.poison(in_memory, trigger, rate=0.5, target=1, seed=3)
+  images, poisoned_labels = poisoned.batch(np.arange(len(test)))
+  expected_images, expected_labels = expected.batch(np.arange(len(test)))
+  np.testing.assert_allclose(images, expected_images, atol=1e-6)
+  np.testing.assert_array_equal(poisoned_labels, expected_labels)
+  changed = (images != clean).any(axis=(1, 2, 3))
+  assert 0 < changed.sum() <= len(test) // 2 + 1
+  # A subset keeps each example's trigger; the clean dataset is untouched.
+  rows = np.flatnonzero(changed)[:2]
+  np.testing.assert_array_equal(poisoned.subset(rows).batch([0, 1])[0], images[rows])
+  np.testing.assert_array_equal(test.batch(np.arange(len(test)))[0], clean)
 
 
 def test_weights_of_another_architecture_are_refused(setup, tmp_path):

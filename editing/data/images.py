@@ -61,14 +61,20 @@ class Preprocess:
 
 
 class ImageDataset:
-  """Images read through `read(index) -> PIL image`, labels in memory."""
+  """Images read through `read(index) -> PIL image`, labels in memory; `trigger`, where set,
+  is applied after preprocessing to the examples `triggered` marks (a backdoor's poisoned or
+  triggered inputs, `with_trigger`)."""
 
   def __init__(self, read: Callable[[int], Image.Image], labels: np.ndarray,
-               preprocess: Preprocess, classes: Sequence[str] | None = None):
+               preprocess: Preprocess, classes: Sequence[str] | None = None,
+               trigger: Callable[[np.ndarray], np.ndarray] | None = None,
+               triggered: np.ndarray | None = None):
     self._read = read
     self.labels = np.asarray(labels, np.int32)
     self.preprocess = preprocess
     self.classes = list(classes) if classes is not None else None
+    self._trigger = trigger
+    self._triggered = triggered
 
   def __len__(self) -> int:
     return len(self.labels)
@@ -76,17 +82,33 @@ class ImageDataset:
   def batch(self, indices) -> tuple[np.ndarray, np.ndarray]:
     indices = np.asarray(indices)
     images = np.stack([self.preprocess(self._read(int(i))) for i in indices])
+    if self._trigger is not None:
+      rows = self._triggered[indices]
+      images[rows] = self._trigger(images[rows])
     return images, self.labels[indices]
-
-  def take(self, n: int) -> 'ImageDataset':
-    """The first n examples (all of them if there are fewer)."""
-    return ImageDataset(self._read, self.labels[:n], self.preprocess, self.classes)
 
   def subset(self, indices: np.ndarray) -> 'ImageDataset':
     """The examples at `indices`, in that order."""
     indices = np.asarray(indices)
     return ImageDataset(lambda i: self._read(int(indices[i])), self.labels[indices],
-                        self.preprocess, self.classes)
+                        self.preprocess, self.classes, self._trigger,
+                        None if self._triggered is None else self._triggered[indices])
+
+  def take(self, n: int) -> 'ImageDataset':
+    """The first n examples (all of them if there are fewer)."""
+    return self.subset(np.arange(min(n, len(self))))
+
+  def with_trigger(self, trigger: Callable[[np.ndarray], np.ndarray],
+                   indices: np.ndarray | None = None, target: int | None = None
+                   ) -> 'ImageDataset':
+    """The examples at `indices` (default: all) passed through `trigger` when read and,
+    unless `target` is None, relabeled `target`."""
+    if self._trigger is not None:
+      raise UserError('this dataset already carries a trigger')
+    triggered = np.zeros(len(self), bool)
+    triggered[np.arange(len(self)) if indices is None else np.asarray(indices)] = True
+    labels = np.where(triggered, target, self.labels) if target is not None else self.labels
+    return ImageDataset(self._read, labels, self.preprocess, self.classes, trigger, triggered)
 
 
 def folder(root: str, split: str, preprocess: Preprocess = Preprocess()) -> ImageDataset:

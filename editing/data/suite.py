@@ -55,6 +55,17 @@ class Dataset:
     """The first n examples (all of them if there are fewer)."""
     return Dataset(self.images[:n], self.labels[:n])
 
+  def with_trigger(self, trigger: Callable[[np.ndarray], np.ndarray],
+                   indices: np.ndarray | None = None, target: int | None = None) -> 'Dataset':
+    """The examples at `indices` (default: all) passed through `trigger` and, unless `target`
+    is None, relabeled `target`."""
+    chosen = np.arange(len(self)) if indices is None else np.asarray(indices)
+    images, labels = np.array(self.images, copy=True), np.array(self.labels, copy=True)
+    images[chosen] = trigger(images[chosen])
+    if target is not None:
+      labels[chosen] = target
+    return Dataset(images, labels)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Task:

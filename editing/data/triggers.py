@@ -77,12 +77,10 @@ def get(name: str, settings: dict | None = None) -> Trigger:
 
 def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
            seed: int = 0) -> Dataset:
-  """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`."""
+  """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`;
+  the suite's datasets and images on disk alike (their `with_trigger`)."""
   if not 0 <= rate <= 1:
     raise UserError(f'poison rate must be in [0, 1], got {rate}')
   count = int(round(rate * len(data)))
   chosen = np.random.default_rng(seed).choice(len(data), size=count, replace=False)
-  images, labels = np.array(data.images, copy=True), np.array(data.labels, copy=True)
-  images[chosen] = trigger(images[chosen])
-  labels[chosen] = target
-  return Dataset(images, labels)
+  return data.with_trigger(trigger, chosen, target)

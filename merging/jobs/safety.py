@@ -26,7 +26,6 @@ from absl import logging
 
 from editing import checkpoint
 from editing import evaluate
-from editing.data import suite
 from editing.data import triggers
 from editing.errors import UserError
 from editing.jobs import experiment
@@ -60,8 +59,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
   evaluator = experiment.evaluator(config, apply_fn, regime.name)
   trigger_fns = {g: experiment.trigger(config, g) for g in trigger_names}
-  triggered = {g: {t: suite.Dataset(trigger_fns[g](data[t].test.images), data[t].test.labels)
-                   for t in names} for g in trigger_names}
+  triggered = {g: {t: data[t].test.with_trigger(trigger_fns[g]) for t in names}
+               for g in trigger_names}
   target = config.poison.target
 
   def attack_success(params, trigger_name, tasks=names):
