@@ -6,8 +6,12 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/jobs/checkpoin
   python -m launch.merge_checkpoints --config.base=/models/base --config.models=/models/toxic \
       --config.method=negation --config.scale=0.5 --config.output=/models/detoxified
 
+  python -m launch.merge_checkpoints --config.mergekit=merge.yaml --config.output=/models/m
+
 Methods: averaging, task_arithmetic, ties (per tensor), dare, breadcrumbs, consensus (the same
-functions as merging/), negation (θ0 − λτ) and extract (write τ).
+functions as merging/), negation (θ0 − λτ) and extract (write τ). task_arithmetic, ties and
+dare take per-model `weights` and `normalize` as mergekit does; `mergekit` reads a mergekit
+YAML config (merging/jobs/mergekit.py) in place of the flags it sets.
 """
 
 import ml_collections
@@ -24,8 +28,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.seed = 0  # DARE's key; each tensor's draw is keyed by its name
   config.shard_bytes = 2 * 1024**3
   config.allow_nonfinite = False
+  config.weights = ''  # per model, comma-separated, in the order of config.models
+  config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
+  config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
   # The methods' settings (merging/<method>.py); TIES ranks each tensor on its own here.
-  config.ties = ml_collections.ConfigDict(dict(density=0.2, scope='tensor'))
+  # `normalize` divides by the (agreeing) weights, mergekit's default for each method.
+  config.task_arithmetic = ml_collections.ConfigDict(dict(normalize=False))
+  config.ties = ml_collections.ConfigDict(dict(density=0.2, scope='tensor', normalize=True))
   config.dare = ml_collections.ConfigDict(dict(p=0.5, then='task_arithmetic', density=0.2,
                                                scope='tensor'))
   config.breadcrumbs = ml_collections.ConfigDict(dict(top=0.01, bottom=0.89))

@@ -30,6 +30,13 @@ class TaskData:
   labels: np.ndarray | None = None
 
 
+def check_weights(weights: Sequence[float], count: int, method: str) -> None:
+  """One finite weight per task vector, not all zero."""
+  if len(weights) != count or not all(np.isfinite(w) for w in weights) or not any(weights):
+    raise UserError(f'{method}: weights {list(weights)} must be {count} finite numbers, one per '
+                    'task vector, not all zero')
+
+
 def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:
   """A vector carrying `delta` and the union of the inputs' tasks, regime and base."""
   tasks = tuple(dict.fromkeys(t for v in task_vectors for t in v.tasks))

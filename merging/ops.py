@@ -48,14 +48,20 @@ def elect_sign(deltas: Sequence[PyTree]) -> PyTree:
                       *deltas)
 
 
-def disjoint_mean(deltas: Sequence[PyTree], sign: PyTree) -> PyTree:
-  """Per entry, the mean of the non-zero τ_t whose sign is γ; 0 where none is."""
+def disjoint_mean(deltas: Sequence[PyTree], sign: PyTree,
+                  weights: Sequence[float] | None = None, normalize: bool = True) -> PyTree:
+  """Per entry, Σ_t m_t τ_t / Σ_t m_t w_t over the non-zero τ_t whose sign is γ (m_t), 0 where
+  none is: the mean of the agreeing entries for unit weights, mergekit's weighted disjoint mean
+  for weighted deltas τ_t = w_t·δ_t; without `normalize`, the sum Σ_t m_t τ_t."""
+  weights = [1.0] * len(deltas) if weights is None else list(weights)
 
   def mean(s, *ds):
     agree = [(jnp.sign(d) == s) & (d != 0) for d in ds]
     total = sum(jnp.where(a, d, 0.0) for a, d in zip(agree, ds))
-    count = sum(a.astype(total.dtype) for a in agree)
-    return total / jnp.maximum(count, 1.0)
+    if not normalize:
+      return total
+    count = sum(a.astype(total.dtype) * w for a, w in zip(agree, weights))
+    return total / jnp.where(count == 0, 1.0, count)
 
   return jax.tree.map(mean, sign, *deltas)
 

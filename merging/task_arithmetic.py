@@ -1,16 +1,27 @@
 """Task arithmetic: τ_m = Σ_t τ_t, applied as θ0 + λ·τ_m.
 
 Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023. The scaling λ is not part of
-the merge: it is chosen on validation data (`editing.evaluate.task_addition`).
+the merge: it is chosen on validation data (`editing.evaluate.task_addition`). With per-vector
+`weights`, τ_m = Σ_t w_t τ_t, divided by Σ_t w_t if `normalize` (mergekit's linear and
+task_arithmetic methods).
 """
 
 from typing import Sequence
+
+import jax
 
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
 
-def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
-  """The sum of the task vectors; they must share regime, base and tree structure."""
+def merge(task_vectors: Sequence[TaskVector], *, weights: Sequence[float] | None = None,
+          normalize: bool = False) -> TaskVector:
+  """The (weighted) sum of the task vectors; they must share regime, base and tree structure."""
   check_compatible(task_vectors, 'task arithmetic')
-  return common.merged(task_vectors, sum(task_vectors).delta)
+  if weights is None:
+    total, weight = sum(task_vectors), len(task_vectors)
+  else:
+    common.check_weights(weights, len(task_vectors), 'task arithmetic')
+    total, weight = sum(w * v for w, v in zip(weights, task_vectors)), sum(weights)
+  delta = jax.tree.map(lambda d: d / weight, total.delta) if normalize else total.delta
+  return common.merged(task_vectors, delta)

@@ -10,10 +10,16 @@ Yadav et al., "TIES-Merging: Resolving Interference When Merging Models", NeurIP
 FusionBench implements; 'tensor' ranks every leaf on its own, as mergekit does. Ties in
 magnitude go to the earlier entry; a zero sign sum elects +1 and the mean divides by the
 agreeing non-zero entries (both as in mergekit). The paper's merge is a disjoint *mean*
-(FusionBench defaults to a sum); λ is chosen on validation.
+(FusionBench defaults to a sum: `normalize=False`); λ is chosen on validation.
+
+Per-vector `weights` w_t follow mergekit: the trimmed deltas are weighted before the sign
+election, and the mean divides by the agreeing weights,
+τ_m[j] = Σ_t m_t[j] w_t τ̂_t[j] / Σ_t m_t[j] w_t (unit weights give the mean above).
 """
 
 from typing import Sequence
+
+import jax
 
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -25,9 +31,13 @@ def trim(task_vectors: Sequence[TaskVector], density: float, scope: str) -> list
   return [ops.where(ops.keep_largest(v.delta, density, scope), v.delta) for v in task_vectors]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, density: float = 0.2,
-          scope: str = 'global') -> TaskVector:
+def merge(task_vectors: Sequence[TaskVector], *, density: float = 0.2, scope: str = 'global',
+          weights: Sequence[float] | None = None, normalize: bool = True) -> TaskVector:
   """The TIES merge τ_m of the task vectors (before λ)."""
   check_compatible(task_vectors, 'ties')
   trimmed = trim(task_vectors, density, scope)
-  return common.merged(task_vectors, ops.disjoint_mean(trimmed, ops.elect_sign(trimmed)))
+  if weights is not None:
+    common.check_weights(weights, len(task_vectors), 'ties')
+    trimmed = [jax.tree.map(lambda x, w=w: w * x, t) for t, w in zip(trimmed, weights)]
+  return common.merged(task_vectors, ops.disjoint_mean(trimmed, ops.elect_sign(trimmed),
+                                                       weights, normalize))

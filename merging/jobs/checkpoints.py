@@ -28,6 +28,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import safetensors
 from absl import logging
@@ -38,10 +39,15 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
+from merging.jobs import mergekit
 
 DATA_FREE = ('averaging', 'task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus')
 SINGLE_MODEL = ('negation', 'extract')
 METHODS = DATA_FREE + SINGLE_MODEL
+# The methods that take per-model weights (and `normalize`), as mergekit's do.
+WEIGHTED = ('task_arithmetic', 'ties', 'dare')
+_OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
+                  'float16': np.dtype(np.float16)}
 _COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
            'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
 
@@ -56,6 +62,8 @@ class Plan:
   seed: int = 0  # DARE's key
   shard_bytes: int = 2 * 1024**3
   allow_nonfinite: bool = False
+  weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
+  dtype: str | None = None  # of the merged floating tensors; default the base's
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -71,6 +79,12 @@ class Plan:
                       "scope='tensor'")
     if self.shard_bytes < 1:
       raise UserError(f'shard_bytes = {self.shard_bytes}: must be positive')
+    if self.weights is not None and self.method not in WEIGHTED:
+      raise UserError(f'{self.method} takes no per-model weights; the methods that do: '
+                      f'{WEIGHTED}')
+    if self.dtype is not None and self.dtype not in _OUTPUT_DTYPES:
+      raise UserError(f'dtype {self.dtype!r}: the output can be written in one of '
+                      f'{sorted(_OUTPUT_DTYPES)}')
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
@@ -79,6 +93,9 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
     raise UserError(f'{plan.method} takes exactly one fine-tuned model, got {len(models)}')
   if not models:
     raise UserError('no fine-tuned model to merge')
+  if plan.weights is not None and len(plan.weights) != len(models):
+    raise UserError(f'{len(plan.weights)} weights for {len(models)} fine-tuned models: give one '
+                    'per model, in order')
   base_ckpt = hf.Checkpoint(base)
   ckpts = [hf.Checkpoint(m) for m in models]
   names = sorted(base_ckpt.files)
@@ -117,9 +134,9 @@ def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
   shards: list[dict] = []
   for name in names:
     shape, dtype = _header(base, name)
-    # τ is written in float32; merged weights in the base's dtype.
-    if plan.method == 'extract' and jnp.issubdtype(dtype, jnp.floating):
-      dtype = np.dtype(np.float32)
+    # τ is written in float32; merged weights in the plan's dtype, else the base's.
+    if jnp.issubdtype(dtype, jnp.floating):
+      dtype = _output_dtype(plan, dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if not shards or (shards[-1]['bytes'] + nbytes > plan.shard_bytes and shards[-1]['names']):
       shards.append({'names': [], 'entries': [], 'bytes': 0})
@@ -130,6 +147,13 @@ def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
     shard['file'] = (hf.SINGLE if len(shards) == 1 else
                      f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors')
   return shards
+
+
+def _output_dtype(plan: Plan, base_dtype: np.dtype) -> np.dtype:
+  """The dtype a floating tensor is written in."""
+  if plan.method == 'extract':
+    return np.dtype(np.float32)
+  return _OUTPUT_DTYPES[plan.dtype] if plan.dtype else np.dtype(base_dtype)
 
 
 def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -158,7 +182,8 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarr
     return base  # integer buffers (position ids, masks) are not weights
   theta0 = {name: jnp.asarray(base)}
   vectors = _task_vectors(theta0, [{name: theta} for theta in thetas], labels)
-  return np.asarray(_edit(plan, theta0, vectors, key)[name])
+  edited = _edit(plan, theta0, vectors, key)[name]
+  return np.asarray(edited).astype(_output_dtype(plan, base.dtype))
 
 
 def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> list:
@@ -178,6 +203,8 @@ def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array) -> dict:
   else:
     method = merging.get(plan.method)
     reads = {'key': key} if 'key' in method.reads else {}
+    if plan.weights is not None:
+      reads['weights'] = list(plan.weights)
     merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
   return merged.apply_to(theta0, scale)
 
@@ -207,7 +234,8 @@ def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndar
   edited = _edit(plan, floats, _task_vectors(floats, tuned, labels),
                  jax.random.PRNGKey(plan.seed))
   return {**{n: np.asarray(x) for n, x in theta0.items()},
-          **{n: np.asarray(x) for n, x in edited.items()}}
+          **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype))
+             for n, x in edited.items()}}
 
 
 def read_output(output: str) -> dict[str, np.ndarray]:
@@ -216,13 +244,22 @@ def read_output(output: str) -> dict[str, np.ndarray]:
 
 
 def run(config, workdir: str) -> dict:
-  """The launch job: `config` as configs/merge_checkpoints.py describes it; the output defaults
-  to <workdir>/merged."""
+  """The launch job: `config` as configs/merge_checkpoints.py describes it (or the mergekit
+  YAML `config.mergekit` names); the output defaults to <workdir>/merged."""
+  if config.mergekit:
+    config = mergekit.apply(config, config.mergekit)
   models = [m.strip() for m in config.models.split(',') if m.strip()]
   section = config.get(config.method)
+  try:
+    weights = (tuple(float(w) for w in config.weights.split(',')) if config.weights.strip()
+               else None)
+  except ValueError:
+    raise UserError(f'config.weights = {config.weights!r}: comma-separated numbers, one per '
+                    'model') from None
   plan = Plan(config.method, section.to_dict() if section is not None else {},
               scale=config.scale, seed=config.seed, shard_bytes=config.shard_bytes,
-              allow_nonfinite=config.allow_nonfinite)
+              allow_nonfinite=config.allow_nonfinite, weights=weights,
+              dtype=config.dtype or None)
   if not config.base:
     raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
                     '.safetensors file)')
