@@ -112,6 +112,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   labels = tuple(f'model_{i}' for i in range(len(models)))
   key = jax.random.PRNGKey(plan.seed)
   start, done_bytes, total_bytes = time.time(), 0, sum(s['bytes'] for s in shards)
+  done_tensors = 0
   for shard in shards:
     path = os.path.join(partial, shard['file'])
     if not os.path.exists(path):
@@ -120,10 +121,11 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
           lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan),
           metadata={'format': 'pt'})
     done_bytes += shard['bytes']
-    elapsed = time.time() - start
-    logging.info('%s: %d of %d bytes, %.1f MB/s, eta %.0f s', shard['file'], done_bytes,
-                 total_bytes, done_bytes / 1e6 / max(elapsed, 1e-9),
-                 (total_bytes - done_bytes) / max(done_bytes / max(elapsed, 1e-9), 1e-9))
+    done_tensors += len(shard['names'])
+    rate = done_bytes / max(time.time() - start, 1e-9)
+    logging.info('%s: %d/%d tensors, %.0f tensors/s, %.1f MB/s, eta %.0f s', shard['file'],
+                 done_tensors, len(names), done_tensors / max(time.time() - start, 1e-9),
+                 rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
   _finish(base, partial, output, shards)
   return {'output': output, 'tensors': len(names), 'shards': len(shards),
           'bytes': total_bytes, 'seconds': time.time() - start}
