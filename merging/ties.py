@@ -17,7 +17,7 @@ election, and the mean divides by the agreeing weights,
 τ_m[j] = Σ_t m_t[j] w_t τ̂_t[j] / Σ_t m_t[j] w_t (unit weights give the mean above).
 """
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -26,16 +26,22 @@ from merging import common
 from merging import ops
 
 
-def trim(task_vectors: Sequence[TaskVector], density: float, scope: str) -> list:
-  """τ̂_t: each vector's deltas with all but its top-`density` magnitudes zeroed."""
-  return [ops.where(ops.keep_largest(v.delta, density, scope), v.delta) for v in task_vectors]
+def trim(task_vectors: Sequence[TaskVector], density: float, scope: str,
+         keep: Sequence[Any] | None = None) -> list:
+  """τ̂_t: each vector's deltas with all but its top-`density` magnitudes zeroed; `keep`, if
+  given, holds those masks already ranked (a streamed merge ranks a whole model in a pass of
+  its own, then merges a tensor at a time)."""
+  if keep is None:
+    keep = [ops.keep_largest(v.delta, density, scope) for v in task_vectors]
+  return [ops.where(k, v.delta) for k, v in zip(keep, task_vectors)]
 
 
 def merge(task_vectors: Sequence[TaskVector], *, density: float = 0.2, scope: str = 'global',
-          weights: Sequence[float] | None = None, normalize: bool = True) -> TaskVector:
+          weights: Sequence[float] | None = None, normalize: bool = True,
+          keep: Sequence[Any] | None = None) -> TaskVector:
   """The TIES merge τ_m of the task vectors (before λ)."""
   check_compatible(task_vectors, 'ties')
-  trimmed = trim(task_vectors, density, scope)
+  trimmed = trim(task_vectors, density, scope, keep)
   if weights is not None:
     common.check_weights(weights, len(task_vectors), 'ties')
     trimmed = [jax.tree.map(lambda x, w=w: w * x, t) for t, w in zip(trimmed, weights)]

@@ -54,6 +54,8 @@ PLANS = {
     'averaging': checkpoints.Plan('averaging', {}),
     'task_arithmetic': checkpoints.Plan('task_arithmetic', {}, scale=0.7),
     'ties': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'tensor'}, scale=0.9),
+    'ties_global': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'global'}, scale=0.9,
+                                    shard_bytes=2500),
     'dare': checkpoints.Plan('dare', {'p': 0.5, 'then': 'ties', 'density': 0.3,
                                       'scope': 'tensor'}, seed=3),
     'breadcrumbs': checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.5}),
@@ -188,11 +190,11 @@ def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, case):
   assert not os.path.exists(out)
 
 
-def test_methods_that_need_data_or_a_global_threshold_are_refused():
+def test_methods_that_need_data_or_rank_dropped_deltas_globally_are_refused():
   with pytest.raises(UserError, match='fisher reads data'):
     checkpoints.Plan('fisher', {})
   with pytest.raises(UserError, match="scope='tensor'"):
-    checkpoints.Plan('ties', {'density': 0.2, 'scope': 'global'})
+    checkpoints.Plan('dare', {'then': 'ties', 'density': 0.2, 'scope': 'global'})
   with pytest.raises(UserError, match='unknown checkpoint merge method'):
     checkpoints.Plan('tie', {})
 
@@ -308,3 +310,24 @@ def test_unsupported_mergekit_keys_are_named(tmp_path, text, message):
   with pytest.raises(UserError, match=message):
     checkpoints.run(config, str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ['merge.yaml']
+
+
+def test_a_global_ranking_with_ties_across_tensors_equals_the_in_memory_one(tmp_path):
+  """Deltas on a coarse grid: the kept-th largest magnitude is shared by many entries in
+  several tensors, so which of them are kept is decided by tensor order then row-major."""
+  rng = np.random.default_rng(5)
+  base = llama_tensors(0)
+  config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
+  hf.save(str(tmp_path / 'base'), base, config, shard_bytes=4000)
+  models = []
+  for k in range(2):
+    tuned = {n: x + rng.integers(-2, 3, x.shape).astype(np.float32) / 4 for n, x in base.items()}
+    models.append(str(tmp_path / f'ft{k}'))
+    hf.save(models[-1], tuned, config, shard_bytes=4000)
+  for density in (0.1, 0.37, 0.8):
+    plan = checkpoints.Plan('ties', {'density': density, 'scope': 'global'}, shard_bytes=3000)
+    out = str(tmp_path / f'out{density}')
+    checkpoints.merge(str(tmp_path / 'base'), models, out, plan)
+    streamed = checkpoints.read_output(out)
+    for n, x in checkpoints.in_memory(str(tmp_path / 'base'), models, plan).items():
+      np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=f'{density} {n}')

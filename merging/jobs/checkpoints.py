@@ -72,11 +72,13 @@ class Plan:
         raise UserError(f'{self.method} reads data ({", ".join(reads.reads)}); checkpoint '
                         f'merging runs only the data-free methods {METHODS}')
       raise UserError(f'unknown checkpoint merge method {self.method!r}; known: {METHODS}')
-    trims = self.method == 'ties' or (self.method == 'dare' and
-                                      self.settings.get('then') == 'ties')
-    if trims and self.settings.get('scope') != 'tensor':
-      raise UserError(f"{self.method}: checkpoint merging ranks magnitudes per tensor; set "
-                      "scope='tensor'")
+    if (self.method == 'dare' and self.settings.get('then') == 'ties' and
+        self.settings.get('scope') != 'tensor'):
+      raise UserError("dare then ties: checkpoint merging ranks DARE's dropped deltas per "
+                      "tensor; set scope='tensor'")
+    if self.global_ties and self.allow_nonfinite:
+      raise UserError("ties with scope='global' ranks finite magnitudes only; it cannot "
+                      'allow non-finite inputs')
     if self.shard_bytes < 1:
       raise UserError(f'shard_bytes = {self.shard_bytes}: must be positive')
     if self.weights is not None and self.method not in WEIGHTED:
@@ -85,6 +87,11 @@ class Plan:
     if self.dtype is not None and self.dtype not in _OUTPUT_DTYPES:
       raise UserError(f'dtype {self.dtype!r}: the output can be written in one of '
                       f'{sorted(_OUTPUT_DTYPES)}')
+
+  @property
+  def global_ties(self) -> bool:
+    """TIES ranking each model's magnitudes as a whole: a counting pass comes first."""
+    return self.method == 'ties' and self.settings.get('scope', 'global') == 'global'
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
@@ -107,6 +114,9 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
                       f'{"..." if len(missing) > 5 else ""}, extra {extra[:5]}'
                       f'{"..." if len(extra) > 5 else ""}')
   shards = _shards(base_ckpt, names, plan)
+  # Before anything is written: the counting passes read every tensor.
+  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, plan.settings.get('density', 0.2))
+               for ckpt in ckpts] if plan.global_ties else None)
   partial = output.rstrip('/') + '.partial'
   os.makedirs(partial, exist_ok=True)
   labels = tuple(f'model_{i}' for i in range(len(models)))
@@ -118,7 +128,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
     if not os.path.exists(path):
       checkpoint.write_safetensors(
           path, shard['entries'],
-          lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan),
+          lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
+                                     rankings),
           metadata={'format': 'pt'})
     done_bytes += shard['bytes']
     done_tensors += len(shard['names'])
@@ -168,7 +179,68 @@ def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(sliced.get_shape()), checkpoint.DTYPES[code]
 
 
-def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarray:
+class _GlobalRanking:
+  """One model's exact top-k of |τ| over all its floating tensors, found by counting, so that
+  each tensor's mask is computed alone and equals the in-memory global ranking's.
+
+  |τ| is non-negative float32, so its bit patterns, read as uint32, order as its values. A
+  pass counts the top 16 bits of every entry, which finds the 2^16-wide bucket holding the
+  kept-th largest value; a second pass counts the low bits inside that bucket, which finds
+  the value v itself, and records per tensor how many entries equal v. A tensor's mask is then
+  |τ| > v, plus the entries equal to v while the running count of them, in tensor order then
+  row-major, stays within what the top-k has left: ties go to the earlier entry, as
+  `editing.tree.top_k` breaks them.
+  """
+
+  def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
+               density: float):
+    if not 0 < density <= 1:
+      raise UserError(f'density must be in (0, 1], got {density}')
+    self.names = [n for n in names if _is_floating(base, n)]
+    high = np.zeros(1 << 16, np.int64)
+    total = 0
+    for name in self.names:
+      bits = self._bits(base, tuned, name)
+      high += np.bincount(bits >> 16, minlength=1 << 16)
+      total += bits.size
+    self.kept = max(1, int(density * total))
+    from_top = np.cumsum(high[::-1])
+    bucket = (1 << 16) - 1 - int(np.searchsorted(from_top, self.kept))
+    above_bucket = int(high[bucket + 1:].sum())
+    low = np.zeros(1 << 16, np.int64)
+    in_bucket = {}
+    for name in self.names:
+      bits = self._bits(base, tuned, name)
+      values, counts = np.unique(bits[(bits >> 16) == bucket] & 0xFFFF, return_counts=True)
+      in_bucket[name] = dict(zip(values.tolist(), counts.tolist()))
+      low[values] += counts
+    from_top = np.cumsum(low[::-1])
+    low_bits = (1 << 16) - 1 - int(np.searchsorted(from_top, self.kept - above_bucket))
+    self.value = np.uint32((bucket << 16) | low_bits)
+    self.above = above_bucket + int(low[low_bits + 1:].sum())
+    ties = [in_bucket[n].get(low_bits, 0) for n in self.names]
+    self.ties_before = dict(zip(self.names, np.cumsum([0] + ties[:-1]).tolist()))
+
+  @staticmethod
+  def _bits(base: hf.Checkpoint, tuned: hf.Checkpoint, name: str) -> np.ndarray:
+    delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
+    return np.abs(delta).ravel().view(np.uint32)
+
+  def mask(self, name: str, delta: np.ndarray) -> np.ndarray:
+    """The kept entries of the tensor `name`, whose τ is `delta`."""
+    bits = np.abs(np.asarray(delta, np.float32)).ravel().view(np.uint32)
+    ties = bits == self.value
+    allowed = self.kept - self.above - self.ties_before[name]
+    keep = (bits > self.value) | (ties & (np.cumsum(ties) <= allowed))
+    return keep.reshape(np.shape(delta))
+
+
+def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
+  return bool(jnp.issubdtype(_header(ckpt, name)[1], jnp.floating))
+
+
+def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
+                  rankings=None) -> np.ndarray:
   base = base_ckpt.tensor(name)
   thetas = [c.tensor(name) for c in ckpts]
   for path, theta in zip(models, thetas):
@@ -184,7 +256,9 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan) -> np.ndarr
     return base  # integer buffers (position ids, masks) are not weights
   theta0 = {name: jnp.asarray(base)}
   vectors = _task_vectors(theta0, [{name: theta} for theta in thetas], labels)
-  edited = _edit(plan, theta0, vectors, key)[name]
+  keep = (None if rankings is None else
+          [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
+  edited = _edit(plan, theta0, vectors, key, keep)[name]
   return np.asarray(edited).astype(_output_dtype(plan, base.dtype))
 
 
@@ -195,9 +269,9 @@ def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) ->
           for theta, label in zip(tuned, labels)]
 
 
-def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array) -> dict:
+def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array, keep=None) -> dict:
   """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
-  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N)."""
+  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, TIES' masks ranked beforehand."""
   if plan.method == 'extract':
     return dict(vectors[0].delta)
   if plan.method == 'negation':
@@ -207,6 +281,8 @@ def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array) -> dict:
     reads = {'key': key} if 'key' in method.reads else {}
     if plan.weights is not None:
       reads['weights'] = list(plan.weights)
+    if keep is not None:
+      reads['keep'] = keep
     merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
   return merged.apply_to(theta0, scale)
 
