@@ -106,10 +106,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
                                                     steps=20))
 
-  # Devices: 0 means all visible ones, on a 1-D data-parallel mesh. Params are placed by
-  # (regex, partition spec) rules, first match wins; the default replicates everything.
+  # Devices: 0 means all visible ones, on a (data, fsdp, tensor) mesh whose data axis takes
+  # what fsdp × tensor leave. Params are placed by the logical-axis rules of `preset` ('dp'
+  # replicates, 'fsdp', 'fsdp+tp'; editing/sharding.py), after any (regex, partition spec)
+  # override in sharding_rules, first match wins.
   config.num_devices = 0
-  config.sharding_rules = [('.*', ())]
+  config.sharding = ml_collections.ConfigDict(dict(preset='dp', fsdp=1, tensor=1))
+  config.sharding_rules = []
 
   if arg == 'tiny':
     config.model.update(patch_size=8, width=32, depth=2, num_heads=2, mlp_dim=64, embed_dim=32)

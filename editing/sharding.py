@@ -1,9 +1,16 @@
 """Device meshes and partition rules.
 
-Parameters are placed by config data, big_vision style: a list of (regex, spec) pairs matched
-against each leaf's '/'-joined path, first match wins, where spec is a tuple of mesh-axis names
-(or None) per array dimension; an empty tuple replicates. Batches are split along 'data'. The
-same code runs on a 1-device laptop mesh, N simulated CPU devices, a GPU or a TPU slice.
+The mesh has three axes, ('data', 'fsdp', 'tensor'), each of size 1 where unused. Batches are
+split over data × fsdp. Parameters are placed by config data, big_vision style: a list of
+(regex, spec) pairs matched against each leaf's '/'-joined path, first match wins, where spec
+is a tuple of mesh-axis names (or None) per array dimension; an empty tuple replicates.
+
+Most rules come from logical axes, as in MaxText: `LOGICAL_AXES` names each dimension of the
+models' leaves (embed, heads, head_dim, mlp, vocab), and a preset maps logical names to mesh
+axes: 'dp' replicates every parameter, 'fsdp' splits the embedding dimension over 'fsdp', and
+'fsdp+tp' also splits heads, MLP and vocabulary over 'tensor'. A dimension that its mesh axes
+do not divide stays whole. The same code runs on a 1-device laptop mesh, N simulated CPU
+devices, a GPU or a TPU slice.
 """
 
 from typing import Any, Sequence
@@ -16,41 +23,92 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 
 DATA_AXIS = 'data'
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')
 REPLICATED_RULES = (('.*', ()),)
 
+# Each dimension of the models' leaves (editing/models: ViT, CLIP text, BERT), by path.
+LOGICAL_AXES = (
+    (r'(.*/)?attn/(query|key|value)/kernel$', ('embed', 'heads', 'head_dim')),
+    (r'(.*/)?attn/(query|key|value)/bias$', ('heads', 'head_dim')),
+    (r'(.*/)?attn/out/kernel$', ('heads', 'head_dim', 'embed')),
+    (r'(.*/)?mlp_fc/kernel$', ('embed', 'mlp')),
+    (r'(.*/)?mlp_fc/bias$', ('mlp',)),
+    (r'(.*/)?mlp_proj/kernel$', ('mlp', 'embed')),
+    (r'(.*/)?patch_embed/kernel$', (None, None, None, 'embed')),
+    (r'(.*/)?token_embedding/embedding$', ('vocab', 'embed')),
+    (r'(.*/)?position_embedding(/embedding)?$', (None, 'embed')),
+    (r'(.*/)?(proj|pooler)/kernel$', ('embed', None)),
+    (r'.*', ()),
+)
+# Logical axis -> mesh axis, per preset; a logical axis a preset does not name is replicated.
+PRESETS = {
+    'dp': {},
+    'fsdp': {'embed': 'fsdp'},
+    'fsdp+tp': {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor'},
+}
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-  """A 1-D data-parallel mesh over the first `num_devices` devices (all when None)."""
+
+def make_mesh(num_devices: int | None = None, fsdp: int = 1, tensor: int = 1) -> Mesh:
+  """A (data, fsdp, tensor) mesh over the first `num_devices` devices (all when None); the
+  data axis takes what fsdp × tensor leaves."""
   devices = jax.devices()
   if num_devices is not None:
     if not 0 < num_devices <= len(devices):
       raise UserError(f'num_devices={num_devices}, but {len(devices)} devices are visible')
     devices = devices[:num_devices]
-  return Mesh(np.asarray(devices), (DATA_AXIS,))
+  if fsdp < 1 or tensor < 1 or len(devices) % (fsdp * tensor):
+    raise UserError(f'a mesh of fsdp={fsdp} × tensor={tensor} does not divide the '
+                    f'{len(devices)} devices')
+  shape = (len(devices) // (fsdp * tensor), fsdp, tensor)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_rules(preset: str) -> list[tuple[str, tuple[str | None, ...]]]:
+  """`LOGICAL_AXES` as (regex, mesh spec) rules under `preset`."""
+  if preset not in PRESETS:
+    raise UserError(f'sharding preset {preset!r}: must be one of {sorted(PRESETS)}')
+  mapping = PRESETS[preset]
+  return [(regex, tuple(mapping.get(name) if name else None for name in names))
+          for regex, names in LOGICAL_AXES]
 
 
 def param_shardings(mesh: Mesh, params: Any,
                     rules: Sequence[tuple[str, Sequence[str | None]]] = REPLICATED_RULES) -> Any:
-  """A NamedSharding per leaf, from the first rule whose regex matches the leaf's path."""
+  """A NamedSharding per leaf, from the first rule whose regex matches the leaf's path; a
+  dimension its mesh axes do not divide is left whole."""
   def sharding(path, leaf):
     spec = tuple(tree_lib.first_match(path, rules))
     if len(spec) > np.ndim(leaf):
       raise UserError(f'sharding rule {spec} for {path} has more axes than its shape '
                        f'{np.shape(leaf)}')
+    spec = tuple(axis if axis is None or np.shape(leaf)[d] % _size(mesh, axis) == 0 else None
+                 for d, axis in enumerate(spec))
     return NamedSharding(mesh, PartitionSpec(*spec))
   return tree_lib.map_with_path(sharding, params)
+
+
+def _size(mesh: Mesh, axes) -> int:
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in names]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes a batch is split over: data and fsdp, those the mesh has."""
+  return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Leading (batch) axis split over 'data'."""
-  return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+  """Leading (batch) axis split over data × fsdp."""
+  return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
 def check_batch_size(mesh: Mesh, batch_size: int, what: str = 'batch_size') -> None:
-  if batch_size % mesh.shape[DATA_AXIS]:
-    raise UserError(f'{what}={batch_size} is not divisible by the {mesh.shape[DATA_AXIS]} '
-                     f'devices of the data axis')
+  devices = _size(mesh, batch_axes(mesh))
+  if batch_size % devices:
+    raise UserError(f'{what}={batch_size} is not divisible by the {devices} devices of the '
+                    'data and fsdp axes')

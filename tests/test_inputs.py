@@ -197,7 +197,7 @@ def test_a_batch_the_devices_do_not_divide_spoils_nothing(tiny_run, tmp_path, ru
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (
       'error: config.finetune.batch_size = 30 is not divisible by the 8 devices of the data '
-      'axis; use a multiple of 8')
+      'and fsdp axes; use a multiple of 8')
   assert 'Traceback' not in proc.stderr
   assert snapshot(workdir) == before
   # The corrected command then runs in the same workdir.

@@ -2,9 +2,11 @@
 it or give it several simulated devices.
 
   python tests/train_driver.py --workdir=W --out=params.npz [--steps=N] [--devices=K]
+      [--fsdp=F --tensor=T --preset=fsdp+tp --placement=placement.json]
 """
 
 import argparse
+import json
 
 import jax
 import numpy as np
@@ -27,6 +29,12 @@ def main():
   parser.add_argument('--devices', type=int, default=1)
   parser.add_argument('--checkpoint_every', type=int, default=2)
   parser.add_argument('--regime', default='full')
+  parser.add_argument('--fsdp', type=int, default=1)
+  parser.add_argument('--tensor', type=int, default=1)
+  parser.add_argument('--preset', default='dp')
+  parser.add_argument('--placement', default='',
+                      help='where to write, per trained leaf, its bytes, the bytes of each of '
+                           'its device shards and the mesh axes it is split over')
   args = parser.parse_args()
 
   config = quickstart.get_config('tiny')
@@ -44,10 +52,24 @@ def main():
   train_config = quickstart.training(steps=args.steps, batch_size=32, learning_rate=1e-3,
                                      warmup_steps=3, checkpoint_every=args.checkpoint_every,
                                      log_every=1)
+  mesh = sharding.make_mesh(args.devices, args.fsdp, args.tensor)
+  rules = sharding.logical_rules(args.preset)
+  if args.placement:
+    prepared = train.prepare(train_config, loss_fn=loss_fn, params=theta0,
+                             trainable=regime.trainable(theta0),
+                             consts={'theta0': theta0, 'head': head}, mesh=mesh,
+                             sharding_rules=rules, update_mask=update_mask)
+    placement = {path: {'bytes': int(leaf.nbytes),
+                        'shard_bytes': sorted({int(s.data.nbytes)
+                                               for s in leaf.addressable_shards}),
+                        'axes': [a for a in leaf.sharding.spec if a is not None]}
+                 for path, leaf in prepared.state.params.items()}
+    with open(args.placement, 'w') as f:
+      json.dump(placement, f)
   params = train.train(train_config, loss_fn=loss_fn, params=theta0,
                        trainable=regime.trainable(theta0),
                        consts={'theta0': theta0, 'head': head}, data=task.train,
-                       workdir=args.workdir, mesh=sharding.make_mesh(args.devices),
+                       workdir=args.workdir, mesh=mesh, sharding_rules=rules,
                        update_mask=update_mask)
   np.savez(args.out, **{k: np.asarray(v) for k, v in tree_lib.flatten(params).items()})
 

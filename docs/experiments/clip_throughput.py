@@ -60,7 +60,7 @@ def main():
                            loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
                            params=params, trainable=regime.trainable(params),
                            consts={'theta0': params, 'head': head}, mesh=experiment.mesh(config),
-                           sharding_rules=config.sharding_rules)
+                           sharding_rules=experiment.sharding_rules(config))
   placed = jax.device_put((images, labels), prepared.batch_sharding)
   state = prepared.state
 

@@ -48,7 +48,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                       loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
                       params=theta0, trainable=regime.trainable(theta0),
                       consts={'theta0': theta0, 'head': head}, mesh=experiment.mesh(config),
-                      sharding_rules=config.sharding_rules, update_mask=update_mask)
+                      sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
     placed[name] = jax.device_put((images, labels), p.batch_sharding)
     compiled = p.step.lower(p.state, p.inputs, *placed[name]).compile()
     memory[name] = _step_bytes(compiled.memory_analysis())

@@ -65,6 +65,8 @@ _RANGES = (
     ('*.seed', _integer(0)),
     ('seed', _integer(0)),
     ('num_devices', _integer(0)),
+    ('sharding.fsdp', _integer(1)),
+    ('sharding.tensor', _integer(1)),
     ('poison.target', _integer(0)),
     ('eval.disentanglement_points', _integer(1)),
     ('merge.train_examples', _integer(1)),
@@ -108,11 +110,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise UserError(f'config.num_devices = {config.num_devices}, but {visible} devices are '
                     'visible')
   devices = config.get('num_devices', 0) or visible
+  layout = config.get('sharding') or {}
+  model_parallel = layout.get('fsdp', 1) * layout.get('tensor', 1)
+  if devices % model_parallel:
+    raise UserError(f'config.sharding: fsdp × tensor = {model_parallel} does not divide the '
+                    f'{devices} devices')
+  batch_devices = devices // layout.get('tensor', 1)
   for key, value in flat.items():
     if key.endswith('batch_size') and key.split('.')[0] in ('pretrain', 'finetune', 'eval') \
-        and value % devices:
-      raise UserError(f'config.{key} = {value} is not divisible by the {devices} devices of '
-                      f'the data axis; use a multiple of {devices}')
+        and value % batch_devices:
+      raise UserError(f'config.{key} = {value} is not divisible by the {batch_devices} devices '
+                      f'of the data and fsdp axes; use a multiple of {batch_devices}')
 
 
 def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list[str]:
@@ -218,7 +226,14 @@ def finetune_settings(config: ml_collections.ConfigDict,
 
 
 def mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  return sharding.make_mesh(config.num_devices or None)
+  return sharding.make_mesh(config.num_devices or None, config.sharding.fsdp,
+                            config.sharding.tensor)
+
+
+def sharding_rules(config: ml_collections.ConfigDict) -> list:
+  """The config's (regex, spec) overrides, then the logical-axis rules of its preset."""
+  return [tuple(rule) for rule in config.sharding_rules] + sharding.logical_rules(
+      config.sharding.preset)
 
 
 def model(config_model: ml_collections.ConfigDict | dict):

@@ -66,7 +66,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
                           params=theta0, trainable=regime.trainable(theta0),
                           consts={'theta0': theta0, 'head': head}, data=train_data,
                           workdir=directory, mesh=experiment.mesh(config),
-                          sharding_rules=config.sharding_rules, update_mask=update_mask)
+                          sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
   vector = TaskVector.from_params(theta0, finetuned, task=task_name, regime=regime.name)
   extra = {}
   if update_mask is not None:

@@ -148,6 +148,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   trainable = {path: True for path in tree_lib.flatten(params)}
   trained = train.train(config.pretrain, loss_fn=loss_fn, params=params, trainable=trainable,
                         consts={}, data=data, workdir=directory,
-                        mesh=experiment.mesh(config), sharding_rules=config.sharding_rules)
+                        mesh=experiment.mesh(config),
+                        sharding_rules=experiment.sharding_rules(config))
   checkpoint.save_tree(out, trained['encoder'], {'model': config.model.to_dict()})
   logging.info('saved the pretrained backbone to %s', out)

@@ -1,0 +1,74 @@
+"""Fine-tuning on (data, fsdp, tensor) meshes of 8 simulated CPU devices equals one device, and
+the logical-axis presets really divide the parameters' memory across the devices."""
+
+import json
+
+import numpy as np
+import pytest
+
+from editing import sharding
+from editing.errors import UserError
+from tests.conftest import run_python
+from tests.test_train import DRIVER, load
+
+# (fsdp, tensor, preset, regime) on 8 devices; data takes the rest.
+MESHES = [(1, 1, 'dp', 'full'), (4, 1, 'fsdp', 'full'), (2, 2, 'fsdp+tp', 'full'),
+          (1, 8, 'fsdp+tp', 'full'), (2, 2, 'fsdp+tp', 'linearized')]
+
+
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory):
+  root = tmp_path_factory.mktemp('one_device')
+  out = {}
+  for regime in sorted({m[3] for m in MESHES}):
+    run_python([DRIVER, f'--workdir={root / regime}', f'--out={root / regime}.npz', '--steps=3',
+                '--devices=1', f'--regime={regime}'])
+    out[regime] = (load(root / f'{regime}.npz'), _metrics(root / regime))
+  return out
+
+
+def _metrics(workdir):
+  with open(workdir / 'metrics.jsonl') as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize('fsdp, tensor, preset, regime', MESHES,
+                         ids=[f'{8 // (f * t)}x{f}x{t}-{p}-{r}' for f, t, p, r in MESHES])
+def test_fine_tuning_on_a_mesh_equals_one_device(tmp_path, one_device, fsdp, tensor, preset,
+                                                 regime):
+  run_python([DRIVER, f'--workdir={tmp_path / "run"}', f'--out={tmp_path}/params.npz',
+              '--steps=3', '--devices=8', f'--fsdp={fsdp}', f'--tensor={tensor}',
+              f'--preset={preset}', f'--regime={regime}',
+              f'--placement={tmp_path}/placement.json'],
+             env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  params, metrics = one_device[regime]
+  # As in the data-parallel test (tests/test_train.py): the loss sees the whole batch to float
+  # precision, and Adam's division by sqrt(v) lets summation-order noise reach a small
+  # fraction of a step in the params.
+  for m1, m8 in zip(metrics, _metrics(tmp_path / 'run'), strict=True):
+    np.testing.assert_allclose(m8['loss'], m1['loss'], rtol=1e-5)
+  sharded = load(tmp_path / 'params.npz')
+  for k in params:
+    np.testing.assert_allclose(sharded[k], params[k], rtol=0, atol=2e-4, err_msg=k)
+
+  with open(tmp_path / 'placement.json') as f:
+    placement = json.load(f)
+  sizes = {'data': 8 // (fsdp * tensor), 'fsdp': fsdp, 'tensor': tensor}
+  for path, leaf in placement.items():
+    split = int(np.prod([sizes[a] for a in leaf['axes']]))
+    assert leaf['shard_bytes'] == [leaf['bytes'] // split], path
+  # The MLP's first matrix (embed 32 × mlp 64) splits over fsdp by its embed dimension, and
+  # over tensor by its mlp one, as the preset says.
+  mlp = placement['blocks_0/mlp_fc/kernel']
+  split = {'dp': 1, 'fsdp': fsdp, 'fsdp+tp': fsdp * tensor}[preset]
+  assert mlp['shard_bytes'] == [mlp['bytes'] // split]
+  total = sum(leaf['bytes'] for leaf in placement.values())
+  per_device = sum(leaf['shard_bytes'][0] for leaf in placement.values())
+  assert (per_device == total) == (split == 1), (per_device, total)
+
+
+def test_a_mesh_that_does_not_divide_the_devices_is_refused():
+  with pytest.raises(UserError, match='fsdp=3 × tensor=1 does not divide'):
+    sharding.make_mesh(None, fsdp=3)
+  with pytest.raises(UserError, match="preset 'zero'"):
+    sharding.logical_rules('zero')
