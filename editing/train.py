@@ -154,7 +154,8 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
 
   The step differentiates only the trainable leaves, so frozen ones cost no backward pass and
   hold no optimizer state; the state is donated, and every input and output has an explicit
-  sharding (params by `sharding_rules`, batches over 'data', the rest replicated).
+  sharding (params and constants by `sharding_rules`, batches over data × fsdp, metrics
+  replicated).
   `update_mask` ({path: bool array}) restricts the updates of the leaves it names to their
   True entries; a leaf whose mask is all False is frozen outright.
   """
@@ -176,7 +177,10 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   frozen = jax.device_put(frozen, {p: flat_shardings[p] for p in frozen})
   update_mask = jax.device_put({p: m for p, m in update_mask.items() if trainable[p]},
                                {p: flat_shardings[p] for p in update_mask if trainable[p]})
-  inputs = StepInputs(frozen, update_mask, jax.device_put(consts, sharding_lib.replicated(mesh)))
+  # Constants are placed by the same rules: θ0 (read by the linearized model and the frozen
+  # head's loss) splits as the params do, leaves no rule names (a head) are replicated.
+  inputs = StepInputs(frozen, update_mask, jax.device_put(
+      consts, sharding_lib.param_shardings(mesh, consts, sharding_rules)))
 
   tx = optimizer(config)
   schedule = learning_rate(config)

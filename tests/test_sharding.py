@@ -57,11 +57,14 @@ def test_fine_tuning_on_a_mesh_equals_one_device(tmp_path, one_device, fsdp, ten
   for path, leaf in placement.items():
     split = int(np.prod([sizes[a] for a in leaf['axes']]))
     assert leaf['shard_bytes'] == [leaf['bytes'] // split], path
-  # The MLP's first matrix (embed 32 × mlp 64) splits over fsdp by its embed dimension, and
-  # over tensor by its mlp one, as the preset says.
-  mlp = placement['blocks_0/mlp_fc/kernel']
+  # The MLP's first matrix (embed 32 × mlp 64), trained and as θ0 among the constants, splits
+  # over fsdp by its embed dimension and over tensor by its mlp one, as the preset says; the
+  # head is replicated.
   split = {'dp': 1, 'fsdp': fsdp, 'fsdp+tp': fsdp * tensor}[preset]
-  assert mlp['shard_bytes'] == [mlp['bytes'] // split]
+  for path in ('blocks_0/mlp_fc/kernel', 'consts/theta0/blocks_0/mlp_fc/kernel'):
+    mlp = placement[path]
+    assert mlp['shard_bytes'] == [mlp['bytes'] // split]
+  assert placement['consts/head']['axes'] == []
   total = sum(leaf['bytes'] for leaf in placement.values())
   per_device = sum(leaf['shard_bytes'][0] for leaf in placement.values())
   assert (per_device == total) == (split == 1), (per_device, total)

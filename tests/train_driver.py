@@ -33,8 +33,8 @@ def main():
   parser.add_argument('--tensor', type=int, default=1)
   parser.add_argument('--preset', default='dp')
   parser.add_argument('--placement', default='',
-                      help='where to write, per trained leaf, its bytes, the bytes of each of '
-                           'its device shards and the mesh axes it is split over')
+                      help='where to write, per trained leaf and constant, its bytes, the bytes '
+                           'of each of its device shards and the mesh axes it is split over')
   args = parser.parse_args()
 
   config = quickstart.get_config('tiny')
@@ -59,11 +59,14 @@ def main():
                              trainable=regime.trainable(theta0),
                              consts={'theta0': theta0, 'head': head}, mesh=mesh,
                              sharding_rules=rules, update_mask=update_mask)
+    leaves = {**prepared.state.params,
+              **{f'consts/{p}': x
+                 for p, x in tree_lib.flatten(prepared.inputs.consts).items()}}
     placement = {path: {'bytes': int(leaf.nbytes),
                         'shard_bytes': sorted({int(s.data.nbytes)
                                                for s in leaf.addressable_shards}),
                         'axes': [a for a in leaf.sharding.spec if a is not None]}
-                 for path, leaf in prepared.state.params.items()}
+                 for path, leaf in leaves.items()}
     with open(args.placement, 'w') as f:
       json.dump(placement, f)
   params = train.train(train_config, loss_fn=loss_fn, params=theta0,
