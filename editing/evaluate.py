@@ -35,12 +35,15 @@ def alpha_grid(step: float = 0.05, stop: float = 1.0) -> list[float]:
 
 
 class Evaluator:
-  """Predictions of encoder + frozen cosine head, in fixed-size sharded batches (one compile)."""
+  """Predictions of encoder + frozen cosine head, in fixed-size batches split over the mesh's
+  data × fsdp axes (one compile), with θ0, params and task vectors placed by `sharding_rules`
+  (the training rules: a model that trains sharded evaluates sharded)."""
 
   def __init__(self, encoder: Encoder, *, logit_scale: float, mesh: jax.sharding.Mesh,
-               batch_size: int):
+               batch_size: int, sharding_rules=sharding_lib.REPLICATED_RULES):
     sharding_lib.check_batch_size(mesh, batch_size, 'eval batch_size')
     self._batch_size = batch_size
+    self._mesh, self._rules = mesh, sharding_rules
     self._batch = sharding_lib.batch_sharding(mesh)
     self._encode = jax.jit(encoder, out_shardings=self._batch)
     self._predict = jax.jit(
@@ -57,18 +60,25 @@ class Evaluator:
       outputs.append(np.asarray(fn(jax.device_put(images, self._batch)))[:batch.count])
     return np.concatenate(outputs)
 
+  def place(self, params: PyTree) -> PyTree:
+    """`params` on the mesh, by the rules (a no-op for params already placed so)."""
+    return jax.device_put(params, sharding_lib.param_shardings(self._mesh, params, self._rules))
+
   def features(self, theta0: PyTree, params: PyTree, data: Dataset) -> np.ndarray:
+    theta0, params = self.place(theta0), self.place(params)
     return self._batched(lambda x: self._encode(theta0, params, x), data)
 
   def predictions(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> np.ndarray:
+    theta0, params = self.place(theta0), self.place(params)
     return self._batched(lambda x: self._predict(theta0, params, head, x), data)
 
   def accuracy(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> float:
     return float(np.mean(self.predictions(theta0, params, head, data) == data.labels))
 
   def edit(self, theta0: PyTree, vector: TaskVector, alpha: float) -> PyTree:
-    """θ0 + α·τ, jitted once for every α."""
-    return self._apply(theta0, vector, jnp.float32(alpha))
+    """θ0 + α·τ, jitted once for every α, on the mesh as the rules place params."""
+    return self._apply(self.place(theta0), vector.replace(delta=self.place(vector.delta)),
+                       jnp.float32(alpha))
 
 
 def finetuned_accuracy(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[TaskVector],

@@ -75,3 +75,46 @@ def test_a_mesh_that_does_not_divide_the_devices_is_refused():
     sharding.make_mesh(None, fsdp=3)
   with pytest.raises(UserError, match="preset 'zero'"):
     sharding.logical_rules('zero')
+
+
+EVALUATION = r'''
+import json, sys
+import jax, numpy as np
+from configs import quickstart
+from editing import evaluate, sharding, tree as tree_lib
+from editing.data import suite
+from editing.models import vit
+from editing.regimes import get as regime
+from editing.task_vector import TaskVector
+
+config = quickstart.get_config('tiny')
+task = suite.load_task('colour', seed=0, train_size=64, test_size=40)
+module = vit.build(config.model)
+apply_fn = lambda p, x: module.apply({'params': p}, x)
+theta0 = module.init(jax.random.PRNGKey(0), task.test.batch([0])[0])['params']
+vector = TaskVector(jax.tree.map(lambda x: 0.05 * jax.random.normal(jax.random.PRNGKey(1),
+                                                                    x.shape), theta0),
+                    ('colour',), 'full', 'b')
+head = jax.random.normal(jax.random.PRNGKey(2), (task.num_classes, config.model.embed_dim))
+out = {}
+for name, mesh, rules in [('one', sharding.make_mesh(1), sharding.logical_rules('dp')),
+                          ('fsdp', sharding.make_mesh(8, fsdp=4), sharding.logical_rules('fsdp'))]:
+  evaluator = evaluate.Evaluator(regime('full').encoder(apply_fn), logit_scale=10.0, mesh=mesh,
+                                 batch_size=16, sharding_rules=rules)
+  params = evaluator.edit(theta0, vector, 0.7)
+  out[name] = {'features': evaluator.features(theta0, params, task.test).tolist(),
+               'predictions': evaluator.predictions(theta0, params, head, task.test).tolist(),
+               'split': [a for a in params['blocks_0']['mlp_fc']['kernel'].sharding.spec
+                         if a is not None]}
+json.dump(out, sys.stdout)
+'''
+
+
+def test_evaluation_on_an_fsdp_mesh_equals_one_device():
+  proc = run_python(['-c', EVALUATION],
+                    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  out = json.loads(proc.stdout)
+  # θ0 + α·τ stays split as the rules place the params.
+  assert out['fsdp']['split'] == ['fsdp'] and out['one']['split'] == []
+  np.testing.assert_allclose(out['fsdp']['features'], out['one']['features'], rtol=0, atol=1e-5)
+  assert out['fsdp']['predictions'] == out['one']['predictions']
