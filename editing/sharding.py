@@ -78,14 +78,26 @@ def param_shardings(mesh: Mesh, params: Any,
   """A NamedSharding per leaf, from the first rule whose regex matches the leaf's path; a
   dimension its mesh axes do not divide is left whole."""
   def sharding(path, leaf):
+    shape = tuple(getattr(leaf, 'shape', np.shape(leaf)))
     spec = tuple(tree_lib.first_match(path, rules))
-    if len(spec) > np.ndim(leaf):
-      raise UserError(f'sharding rule {spec} for {path} has more axes than its shape '
-                       f'{np.shape(leaf)}')
-    spec = tuple(axis if axis is None or np.shape(leaf)[d] % _size(mesh, axis) == 0 else None
+    if len(spec) > len(shape):
+      raise UserError(f'sharding rule {spec} for {path} has more axes than its shape {shape}')
+    spec = tuple(axis if axis is None or shape[d] % _size(mesh, axis) == 0 else None
                  for d, axis in enumerate(spec))
     return NamedSharding(mesh, PartitionSpec(*spec))
   return tree_lib.map_with_path(sharding, params)
+
+
+def sharded_initializer(init_fn, mesh: Mesh, rules, *args):
+  """init_fn (e.g. a flax module's init), jitted to write its leaves for `args` directly into
+  the shardings the rules give them: no device ever holds the whole model."""
+  shapes = jax.eval_shape(init_fn, *args)
+  return jax.jit(init_fn, out_shardings=param_shardings(mesh, shapes, rules))
+
+
+def init_sharded(init_fn, mesh: Mesh, rules, *args) -> Any:
+  """init_fn(*args), computed sharded (`sharded_initializer`)."""
+  return sharded_initializer(init_fn, mesh, rules, *args)(*args)
 
 
 def _size(mesh: Mesh, axes) -> int:

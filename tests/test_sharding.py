@@ -118,3 +118,41 @@ def test_evaluation_on_an_fsdp_mesh_equals_one_device():
   assert out['fsdp']['split'] == ['fsdp'] and out['one']['split'] == []
   np.testing.assert_allclose(out['fsdp']['features'], out['one']['features'], rtol=0, atol=1e-5)
   assert out['fsdp']['predictions'] == out['one']['predictions']
+
+
+SHARDED_INIT = r'''
+import json, sys
+import jax, jax.numpy as jnp, ml_collections, numpy as np
+from editing import sharding, tree as tree_lib
+from editing.models import vit
+
+# ViT-B/16's image tower: 86M parameters.
+model = vit.build(ml_collections.ConfigDict(dict(
+    patch_size=16, width=768, depth=12, num_heads=12, mlp_dim=3072, embed_dim=512)))
+mesh = sharding.make_mesh(8, fsdp=8)
+rules = sharding.logical_rules('fsdp')
+args = (jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
+shapes = jax.eval_shape(model.init, *args)
+compiled = sharding.sharded_initializer(model.init, mesh, rules, *args).lower(*args).compile()
+per_device = [0] * 8
+leaves = []
+for shape, out in zip(jax.tree.leaves(shapes), jax.tree.leaves(compiled.output_shardings)):
+  nbytes = int(np.prod(shape.shape)) * shape.dtype.itemsize
+  leaves.append(nbytes)
+  for device, index in out.devices_indices_map(shape.shape).items():
+    size = int(np.prod([len(range(*i.indices(n))) for i, n in zip(index, shape.shape)]))
+    per_device[device.id] += size * shape.dtype.itemsize
+json.dump({'total': sum(leaves), 'largest': max(leaves), 'per_device': per_device,
+           'params': sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))}, sys.stdout)
+'''
+
+
+def test_a_vit_b16_initialises_split_over_eight_devices():
+  proc = run_python(['-c', SHARDED_INIT],
+                    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  out = json.loads(proc.stdout)
+  assert 85e6 < out['params'] < 88e6
+  # Read from the compiled initialiser's output shardings, without running it.
+  assert max(out['per_device']) <= out['total'] / 8 + out['largest'], out
+  # Only norms and biases stay whole: each device holds within 2% of an eighth.
+  assert max(out['per_device']) < 1.02 * out['total'] / 8, out

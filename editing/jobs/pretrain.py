@@ -23,6 +23,7 @@ import ml_collections
 from absl import logging
 
 from editing import checkpoint
+from editing import sharding
 from editing import train
 from editing import tree as tree_lib
 from editing.data import captions
@@ -141,7 +142,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
     loss_fn = head_lib.cross_entropy_loss(lambda params, consts, images: head_lib.logits(
         apply_fn(params['encoder'], images), params['head'], scale))
   key_encoder, key_head = jax.random.split(jax.random.PRNGKey(config.pretrain.seed))
-  params = {'encoder': module.init(key_encoder, data.batch([0])[0])['params'],
+  encoder = sharding.init_sharded(module.init, experiment.mesh(config),
+                                  experiment.sharding_rules(config), key_encoder,
+                                  data.batch([0])[0])['params']
+  params = {'encoder': encoder,
             'head': jax.random.normal(key_head, (num_outputs, config.model.embed_dim))}
   if config.pretrain.corpus == 'captions':
     params['bias'] = jnp.zeros((num_outputs,))
