@@ -210,3 +210,42 @@ def test_update_mask_errors_name_the_leaf():
     train.prepare(config, update_mask={'w2': np.ones((3, 2), bool)}, **kwargs)
   with pytest.raises(ValueError, match=r"update_mask\['b'\] has shape \(3,\)"):
     train.prepare(config, update_mask={'b': np.ones(3, bool)}, **kwargs)
+
+
+def test_bfloat16_compute_keeps_float32_params_optimizer_state_and_task_vectors():
+  from editing import regimes  # pylint: disable=g-import-not-at-top
+  from editing.models import head as head_lib  # pylint: disable=g-import-not-at-top
+  from editing.models import vit  # pylint: disable=g-import-not-at-top
+  from editing.task_vector import TaskVector  # pylint: disable=g-import-not-at-top
+  task = suite.load_task('colour', seed=0, train_size=64, test_size=8)
+  images, labels = task.train.batch(np.arange(32))
+  losses, dtypes = {}, {}
+  for dtype in ('float32', 'bfloat16'):
+    model = quickstart.get_config('tiny').model
+    model.dtype = dtype
+    module = vit.build(model)
+    apply_fn = lambda p, x, module=module: module.apply({'params': p}, x)
+    theta0 = module.init(jax.random.PRNGKey(0), images[:1])['params']
+    head = jax.random.normal(jax.random.PRNGKey(1), (task.num_classes, model.embed_dim))
+    encoder = regimes.get('full').encoder(apply_fn)
+    prepared = train.prepare(quickstart.training(steps=3, batch_size=32, warmup_steps=1),
+                             loss_fn=head_lib.frozen_head_loss(encoder, 10.0), params=theta0,
+                             trainable={p: True for p in tree_lib.flatten(theta0)},
+                             consts={'theta0': theta0, 'head': head}, mesh=sharding.make_mesh(1))
+    state, run = prepared.state, []
+    for _ in range(3):
+      state, metrics = prepared.step(state, prepared.inputs, images, labels)
+      run.append(float(metrics['loss']))
+    losses[dtype] = run
+    vector = TaskVector.from_params(theta0, tree_lib.unflatten(dict(state.params)),
+                                    task='colour', regime='full')
+    dtypes[dtype] = ({x.dtype for x in jax.tree.leaves((state.params, state.opt_state))
+                      if jnp.issubdtype(x.dtype, jnp.floating)},
+                     {x.dtype for x in jax.tree.leaves(vector.delta)},
+                     apply_fn(theta0, images[:2]).dtype)
+  # The master params, Adam's moments and τ stay float32; the forward pass computes in bf16.
+  f32 = np.dtype(np.float32)
+  assert dtypes['bfloat16'][:2] == dtypes['float32'][:2] == ({f32}, {f32})
+  assert dtypes['bfloat16'][2] == jnp.bfloat16 and dtypes['float32'][2] == f32
+  np.testing.assert_allclose(losses['bfloat16'], losses['float32'], rtol=0.05)
+  assert losses['bfloat16'][-1] < losses['bfloat16'][0]

@@ -24,7 +24,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   names = experiment.tasks(config)
   regimes = [r.name for r in experiment.configured_regimes(config)]
   pairs = disentanglement_pairs(config, names)
-  theta0, apply_fn = experiment.load_pretrained(workdir)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
   vectors = {r: dict(zip(names, experiment.load_task_vectors(workdir, r, names, theta0)))
              for r in regimes}
   # What the numbers depend on besides the vectors: a workdir evaluated under other data or
@@ -32,7 +32,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir_lib.check_job_config(
       workdir_lib.evaluation_root(workdir),
       {**experiment.data_settings(config, 'train_size', 'pretrain_size'),
-       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)})
+       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0),
+       **experiment.precision_settings(config)})
   workdir_lib.use_compilation_cache(workdir)
   control = experiment.control_task(config)
   if control in names:

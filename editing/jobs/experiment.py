@@ -242,15 +242,24 @@ def model(config_model: ml_collections.ConfigDict | dict):
   return module, lambda params, images: module.apply({'params': params}, images)
 
 
-def load_pretrained(workdir: str):
-  """(θ0, apply_fn) from <workdir>/pretrain/params.safetensors, built from its own metadata."""
+def load_pretrained(workdir: str, compute_dtype: str | None = None):
+  """(θ0, apply_fn) from <workdir>/pretrain/params.safetensors, built from its own metadata;
+  `compute_dtype` (e.g. config.model.dtype: 'bfloat16' for mixed precision) replaces the
+  recorded one. The params stay as stored, float32."""
   path = workdir_lib.pretrained_file(workdir)
   if not os.path.exists(path):
     raise FileNotFoundError(f'no pretrained backbone at {path}; run launch.pretrain (or '
                             'launch.quickstart) with this --workdir first')
   params, meta = checkpoint.load_tree(path)
-  _, apply_fn = model(meta['model'])
+  _, apply_fn = model({**meta['model'], **({'dtype': compute_dtype} if compute_dtype else {})})
   return params, apply_fn
+
+
+def precision_settings(config: ml_collections.ConfigDict) -> dict:
+  """The compute dtype, for a job's record when it is not float32 (records made before mixed
+  precision existed stay valid)."""
+  dtype = config.model.get('dtype', 'float32')
+  return {} if dtype == 'float32' else {'compute_dtype': dtype}
 
 
 def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],

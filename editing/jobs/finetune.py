@@ -33,13 +33,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   experiment.validate(config)
   directory = directory or workdir_lib.finetune_dir(workdir, regime.name, task_name)
   out = os.path.join(directory, workdir_lib.TASK_VECTOR)
-  theta0, apply_fn = experiment.load_pretrained(workdir)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
   os.makedirs(directory, exist_ok=True)
   workdir_lib.use_compilation_cache(workdir)
   poisoned = task_name in experiment.poisoned_tasks(config)
   settings = {'finetune': config.finetune.to_dict(), 'regime': dataclasses.asdict(regime),
               **experiment.data_settings(config, 'train_size'),
-              'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0)}
+              'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0),
+              **experiment.precision_settings(config)}
   if poisoned:
     settings['poison'] = {**config.poison.to_dict(), 'tasks': task_name,
                           config.poison.trigger: config[config.poison.trigger].to_dict()}

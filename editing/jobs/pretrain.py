@@ -47,9 +47,11 @@ def shipped_backbone(config: ml_collections.ConfigDict) -> str:
   with open(SHIPPED) as f:
     record = json.load(f)
   path = os.path.join(os.path.dirname(SHIPPED), record['file'])
-  wanted = {'model': config.model.to_dict(),
+  # The compute dtype is not the weights': a float32 backbone serves bf16 compute too.
+  wanted = {'model': _weights_of(config.model.to_dict()),
             'pretrain': {k: v for k, v in config.pretrain.to_dict().items()
                          if k not in _BOOKKEEPING}}
+  record = dict(record, model=_weights_of(record['model']))
   differences = [f'config.{section}.{key} = {wanted[section].get(key)!r} '
                  f'(shipped: {record[section].get(key)!r})'
                  for section in wanted
@@ -86,6 +88,11 @@ def import_weights(config: ml_collections.ConfigDict, out: str) -> None:
   logging.info('imported θ0 from %s to %s', config.weights, out)
 
 
+def _weights_of(model: dict) -> dict:
+  """A model config less its compute dtype: what decides the weights."""
+  return {k: v for k, v in model.items() if k != 'dtype'}
+
+
 def _plain(value):
   """Lists and tuples compare as lists (a config holds tuples, JSON gives lists)."""
   return list(value) if isinstance(value, (list, tuple)) else value
@@ -114,7 +121,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   workdir_lib.check_job_config(directory, sections)
   if os.path.exists(out):
     recorded = checkpoint.load_tree(out)[1].get('model')
-    if recorded != config.model.to_dict():
+    if _weights_of(recorded or {}) != _weights_of(config.model.to_dict()):
       raise UserError(f'{out} holds a backbone of model {recorded}, not config.model '
                       f'{config.model.to_dict()}; use another --workdir')
     logging.info('pretrained backbone found at %s', out)

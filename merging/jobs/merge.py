@@ -59,7 +59,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      'which only the safety experiment (launch.safety) has')
   for m in methods:
     hyperparameter_grid(config, m)
-  theta0, apply_fn = experiment.load_pretrained(workdir)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
   vectors = {r.name: experiment.load_task_vectors(workdir, r.name, names, theta0)
              for r in regimes}
   workdir_lib.use_compilation_cache(workdir)

@@ -54,7 +54,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   seeds = [int(s) for s in config.safety.seeds.split(',')]
 
   pretrain.run(config, workdir)
-  theta0, apply_fn = experiment.load_pretrained(workdir)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
   data = {t: experiment.load_task(config, t) for t in names}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
   evaluator = experiment.evaluator(config, apply_fn, regime.name)
