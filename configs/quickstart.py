@@ -101,10 +101,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ))
 
   # launch.benchmark: `job` 'regimes' times the fine-tuning step of every regime on one batch
-  # of `task` (its data, θ0 and head drawn from `seed`) over `steps` steps after compiling;
-  # 'merge_checkpoints' times streaming checkpoint merges against the I/O floor.
+  # of `task` (its data, θ0 and head drawn from `seed`), or of random images of `image_size`
+  # pixels when it is not 0, over `steps` steps after compiling, with MFU against
+  # `peak_flops` per device (0: a known accelerator's bf16 peak); 'merge_checkpoints' times
+  # streaming checkpoint merges against the I/O floor.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
-                                                    steps=20))
+                                                    steps=20, image_size=0, peak_flops=0.0))
 
   # Devices: 0 means all visible ones, on a (data, fsdp, tensor) mesh whose data axis takes
   # what fsdp × tensor leave. Params are placed by the logical-axis rules of `preset` ('dp'

@@ -1,12 +1,15 @@
-"""Measures the fine-tuning step of every regime, in one process: time and memory, as ratios.
+"""Measures the fine-tuning step of every regime, in one process: time, memory and MFU.
 
 Builds the same jitted step the training loop runs (`editing.train.prepare`) for each regime on
 one batch of the suite's images (`config.benchmark.task`, drawn from `config.benchmark.seed`;
-TaLoS with its mask calibrated on that batch), compiles each,
-then times the regimes' steps interleaved (one step of each in turn), so that machine noise hits
-them alike. Memory is XLA's buffer assignment of the compiled step (arguments + outputs −
-donated aliases + temporaries), the same measure on CPU, GPU and TPU. Prints a table of median
-step time, images/s and both ratios to full, and writes <workdir>/benchmark.json.
+TaLoS with its mask calibrated on that batch), or of random images of
+`config.benchmark.image_size` pixels for a model shaped like a real one (ViT-B/16 at 224), and
+compiles each, then times the regimes' steps interleaved (one step of each in turn), so that
+machine noise hits them alike. Memory is XLA's buffer assignment of the compiled step
+(arguments + outputs − donated aliases + temporaries), the same measure on CPU, GPU and TPU.
+Model FLOPs per step are XLA's cost analysis of the compiled step; MFU is those FLOPs per
+second over the devices' peak (`config.benchmark.peak_flops` per device, else the dense bf16
+peak of a known accelerator, else none). Prints a table and writes <workdir>/benchmark.json.
 """
 
 import os
@@ -33,11 +36,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   task = suite.load_task(settings.task, seed=settings.seed,
                          train_size=config.finetune.batch_size * 2, test_size=8)
   images, labels = task.train.batch(np.arange(config.finetune.batch_size))
+  if settings.image_size:
+    rng = np.random.default_rng(settings.seed)
+    images = rng.uniform(size=(len(images), settings.image_size, settings.image_size, 3))
+    images = images.astype(np.float32)
   key_init, key_head, key_mask = jax.random.split(jax.random.PRNGKey(settings.seed), 3)
   theta0 = module.init(key_init, images[:1])['params']
   head = jax.random.normal(key_head, (task.num_classes, config.model.embed_dim))
 
-  prepared, placed, memory = {}, {}, {}
+  prepared, placed, memory, flops = {}, {}, {}, {}
   for name in regimes.REGISTRY:
     regime = experiment.regime(config, name)
     encoder = regime.encoder(apply_fn)
@@ -52,6 +59,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     placed[name] = jax.device_put((images, labels), p.batch_sharding)
     compiled = p.step.lower(p.state, p.inputs, *placed[name]).compile()
     memory[name] = _step_bytes(compiled.memory_analysis())
+    flops[name] = _flops(compiled.cost_analysis())
     prepared[name] = p
 
   states = {name: p.state for name, p in prepared.items()}
@@ -64,17 +72,44 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       timings[name].append(time.perf_counter() - start)
 
   step_s = {name: float(np.median(t[1:])) for name, t in timings.items()}
+  devices = jax.device_count()
+  peak = settings.peak_flops or peak_flops(jax.devices()[0].device_kind)
   result = {'params': tree_lib.num_params(theta0), 'batch_size': config.finetune.batch_size,
-            'devices': jax.device_count(), 'backend': jax.default_backend(), 'regimes': {
+            'image_size': images.shape[1], 'devices': devices,
+            'backend': jax.default_backend(), 'device_kind': jax.devices()[0].device_kind,
+            'peak_flops_per_device': peak, 'regimes': {
                 name: {'median_step_s': step_s[name],
                        'images_per_s': config.finetune.batch_size / step_s[name],
                        'step_time_ratio': step_s[name] / step_s['full'],
                        'memory_bytes': memory[name],
-                       'memory_ratio': memory[name] / memory['full'] if memory['full'] else None}
+                       'memory_ratio': memory[name] / memory['full'] if memory['full'] else None,
+                       'flops_per_step': flops[name],
+                       'flops_per_s': flops[name] / step_s[name],
+                       'mfu': flops[name] / step_s[name] / (peak * devices) if peak else None}
                 for name in prepared}}
   print(_table(result))
   checkpoint.atomic_write_json(os.path.join(workdir, 'benchmark.json'), result)
   return result
+
+
+# Dense bf16 peak FLOP/s per device of the accelerators the project targets, by device kind.
+PEAK_FLOPS = (('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('TPU v4', 275e12),
+              ('TPU v5 lite', 197e12), ('TPU v5e', 197e12))
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The dense bf16 peak of a known accelerator, None for any other device (a CPU)."""
+  for name, peak in PEAK_FLOPS:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def _flops(analysis) -> float:
+  """The FLOPs of a compiled program from XLA's cost analysis (a dict, or one per program)."""
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return float((analysis or {}).get('flops', 0.0))
 
 
 def _step_bytes(analysis) -> int:
@@ -86,14 +121,16 @@ def _step_bytes(analysis) -> int:
 
 
 def _table(result: dict) -> str:
-  lines = [f'{result["params"]:,} params, batch {result["batch_size"]}, '
-           f'{result["devices"]} {result["backend"]} device(s)',
+  lines = [f'{result["params"]:,} params, batch {result["batch_size"]} at '
+           f'{result["image_size"]} px, {result["devices"]} {result["device_kind"]} device(s)',
            f'{"regime":>15} {"step ms":>8} {"img/s":>7} {"time/full":>9} {"MiB":>7} '
-           f'{"mem/full":>8}']
+           f'{"mem/full":>8} {"GFLOP":>8} {"TFLOP/s":>8} {"MFU":>6}']
   for name, r in result['regimes'].items():
-    ratio = r['memory_ratio']
+    ratio, mfu = r['memory_ratio'], r['mfu']
     lines.append(f'{name:>15} {1e3 * r["median_step_s"]:8.1f} {r["images_per_s"]:7.0f} '
                  f'{r["step_time_ratio"]:9.2f} {r["memory_bytes"] / 2**20:7.1f} '
-                 f'{"–" if ratio is None else f"{ratio:.2f}":>8}')
+                 f'{"–" if ratio is None else f"{ratio:.2f}":>8} '
+                 f'{r["flops_per_step"] / 1e9:8.1f} {r["flops_per_s"] / 1e12:8.3f} '
+                 f'{"–" if mfu is None else f"{100 * mfu:.1f}%":>6}')
   return '\n'.join(lines)
 

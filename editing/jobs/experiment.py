@@ -60,6 +60,7 @@ _RANGES = (
     ('*steps', _integer(1)),
     ('*batch_size', _integer(1)),
     ('*_every', _integer(1)),
+    ('benchmark.image_size', _integer(0)),
     ('*_size', _integer(1)),
     ('*.rounds', _integer(1)),
     ('*.seed', _integer(0)),
@@ -89,6 +90,7 @@ _RANGES = (
     ('blended.ratio', _number(0, 1)),
     ('dam.temperature', _number(0, _INF, open_low=True)),
     ('dam.bound', _number(0, _INF)),
+    ('benchmark.peak_flops', _number(0, _INF)),
 )
 
 
