@@ -31,6 +31,7 @@ def training(**overrides) -> ml_collections.ConfigDict:
       seed=0,
       checkpoint_every=50,
       log_every=10,
+      accumulation=1,  # microbatches per batch, their gradients averaged
   ))
   config.update(overrides)
   return config

@@ -189,14 +189,34 @@ def prepare(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTre
   state = init(trained)
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
+  microbatches = config.get('accumulation', 1)
+  if config.batch_size % microbatches:
+    raise UserError(f'batch_size={config.batch_size} does not split into {microbatches} equal '
+                    'microbatches (accumulation)')
+
   def step_fn(state, inputs, images, labels):
     rng, step_rng = jax.random.split(state.rng)
 
-    def loss_of_trained(trained):
-      return loss_fn(tree_lib.unflatten({**trained, **inputs.frozen}), inputs.consts, images,
-                     labels, step_rng)
+    def loss_and_grads(images, labels):
+      def loss_of_trained(trained):
+        return loss_fn(tree_lib.unflatten({**trained, **inputs.frozen}), inputs.consts, images,
+                       labels, step_rng)
+      return jax.value_and_grad(loss_of_trained, has_aux=True)(state.params)
 
-    (loss, metrics), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(state.params)
+    if microbatches == 1:
+      (loss, metrics), grads = loss_and_grads(images, labels)
+    else:
+      # Equal microbatches of a mean loss: the mean of their losses and gradients is the
+      # whole batch's, at a microbatch's activation memory.
+      split = lambda x: x.reshape((microbatches, -1) + x.shape[1:])
+
+      def accumulate(total, batch):
+        return jax.tree.map(jnp.add, total, loss_and_grads(*batch)), None
+
+      zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(loss_and_grads, split(images)[0], split(labels)[0]))
+      total, _ = jax.lax.scan(accumulate, zero, (split(images), split(labels)))
+      (loss, metrics), grads = jax.tree.map(lambda x: x / microbatches, total)
     updates, opt_state = tx.update(grads, state.opt_state, state.params,
                                    update_mask=inputs.update_mask)
     new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
@@ -231,7 +251,8 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
 
   Args:
     config: steps, batch_size, learning_rate, weight_decay, warmup_steps, grad_clip, seed,
-      checkpoint_every, log_every.
+      checkpoint_every, log_every; accumulation (default 1) splits each batch into that many
+      microbatches whose gradients are averaged before the update.
     loss_fn: loss_fn(params, consts, images, labels, rng) -> (loss, metrics).
     params: the full initial params tree.
     trainable: {path: bool}; frozen leaves are never differentiated and get no optimizer state.

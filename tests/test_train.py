@@ -249,3 +249,28 @@ def test_bfloat16_compute_keeps_float32_params_optimizer_state_and_task_vectors(
   assert dtypes['bfloat16'][2] == jnp.bfloat16 and dtypes['float32'][2] == f32
   np.testing.assert_allclose(losses['bfloat16'], losses['float32'], rtol=0.05)
   assert losses['bfloat16'][-1] < losses['bfloat16'][0]
+
+
+def test_accumulated_microbatches_take_the_whole_batchs_step():
+  params, data, loss_fn = tiny_problem()
+  images, labels = data.batch(np.arange(32))
+  results = {}
+  for accumulation in (1, 4):
+    config = quickstart.training(steps=3, batch_size=32, accumulation=accumulation)
+    prepared = train.prepare(config, loss_fn=loss_fn, params=params,
+                             trainable={'w': True, 'b': True, 'frozen/v': False}, consts={},
+                             mesh=sharding.make_mesh(1))
+    state, seen = prepared.state, []
+    for _ in range(3):
+      state, metrics = prepared.step(state, prepared.inputs, images, labels)
+      seen.append((float(metrics['loss']), float(metrics['grad_norm'])))
+    results[accumulation] = (seen, jax.device_get(state.params))
+  # The loss and the gradient itself (its norm: Adam alone would hide a scaled gradient).
+  np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-6)
+  for k in ('w', 'b'):
+    np.testing.assert_allclose(results[4][1][k], results[1][1][k], rtol=0, atol=1e-6)
+  assert not np.allclose(results[1][1]['w'], params['w'])
+  with pytest.raises(ValueError, match='does not split into 3 equal microbatches'):
+    train.prepare(quickstart.training(batch_size=32, accumulation=3), loss_fn=loss_fn,
+                  params=params, trainable={'w': True, 'b': True, 'frozen/v': False},
+                  consts={}, mesh=sharding.make_mesh(1))

@@ -63,6 +63,7 @@ _RANGES = (
     ('benchmark.image_size', _integer(0)),
     ('*_size', _integer(1)),
     ('*.rounds', _integer(1)),
+    ('*.accumulation', _integer(1)),
     ('*.seed', _integer(0)),
     ('seed', _integer(0)),
     ('num_devices', _integer(0)),
