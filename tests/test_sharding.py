@@ -2,6 +2,7 @@
 the logical-axis presets really divide the parameters' memory across the devices."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -156,3 +157,30 @@ def test_a_vit_b16_initialises_split_over_eight_devices():
   assert max(out['per_device']) <= out['total'] / 8 + out['largest'], out
   # Only norms and biases stay whole: each device holds within 2% of an eighth.
   assert max(out['per_device']) < 1.02 * out['total'] / 8, out
+
+
+def test_merges_on_an_fsdp_mesh_equal_one_device(tiny_run, tmp_path):
+  """The merge job (TIES' global top-k, a closed form, a learned merge) on 8 devices as
+  2×4×1 with the fsdp preset, against one device: the same λ and settings chosen, the same
+  accuracies."""
+  _, source, _ = tiny_run
+  methods = 'ties,regmean,adamerging_layer'
+  results = {}
+  for name, flags in (('one', ['--config.num_devices=1']),
+                      ('fsdp', ['--config.num_devices=8', '--config.sharding.preset=fsdp',
+                                '--config.sharding.fsdp=4'])):
+    workdir = tmp_path / name
+    shutil.copytree(source, workdir)
+    run_python(['-m', 'launch.merge', '--config=configs/merge.py:tiny', f'--workdir={workdir}',
+                '--config.regimes=full', f'--config.merge.methods={methods}', *flags],
+               env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+    with open(workdir / 'merge' / 'full' / 'results.json') as f:
+      results[name] = json.load(f)['methods']
+  assert set(results['one']) == set(results['fsdp']) == set(methods.split(','))
+  for method, one in results['one'].items():
+    fsdp = results['fsdp'][method]
+    assert fsdp['lambda'] == one['lambda'] and fsdp['hyperparameters'] == one['hyperparameters']
+    for task, accuracy in one['test'].items():
+      # Summation order differs across devices; an example whose two best logits are that
+      # close may flip, so one test example (1/128) is allowed.
+      assert abs(fsdp['test'][task] - accuracy) <= 1 / 128 + 1e-9, (method, task)
