@@ -37,8 +37,9 @@ from editing.models import hf
 CORPORA = ('captions', 'shapes')
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
                        'backbone', 'vit_captions.json')
-# Settings that change how a run is logged, not the weights it produces.
-_BOOKKEEPING = ('checkpoint_every', 'log_every', 'from_scratch')
+# Settings that change how a run is logged or laid out in memory (microbatches of the same
+# batch), not the weights it produces.
+_BOOKKEEPING = ('checkpoint_every', 'log_every', 'from_scratch', 'accumulation')
 
 
 def shipped_backbone(config: ml_collections.ConfigDict) -> str:
