@@ -318,3 +318,11 @@ def test_task_vectors_combine_or_name_the_mismatched_path(tree, data):
   else:
     with pytest.raises(UserError, match='differ at layer_'):
       a + b
+
+
+def test_records_leave_accumulation_out_at_its_default():
+  """Workdirs recorded before `accumulation` existed still match a config at its default."""
+  config = tiny()
+  assert 'accumulation' not in experiment.training_record(config.finetune)
+  config.finetune.accumulation = 2
+  assert experiment.training_record(config.finetune)['accumulation'] == 2

@@ -258,6 +258,15 @@ def load_pretrained(workdir: str, compute_dtype: str | None = None):
   return params, apply_fn
 
 
+def training_record(section: ml_collections.ConfigDict) -> dict:
+  """A training section for a job's record, `accumulation` left out at its default of 1 so
+  that records made before it existed stay valid (it changes no result)."""
+  record = section.to_dict()
+  if record.get('accumulation') == 1:
+    del record['accumulation']
+  return record
+
+
 def precision_settings(config: ml_collections.ConfigDict) -> dict:
   """The compute dtype, for a job's record when it is not float32 (records made before mixed
   precision existed stay valid)."""

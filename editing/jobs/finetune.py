@@ -37,7 +37,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   os.makedirs(directory, exist_ok=True)
   workdir_lib.use_compilation_cache(workdir)
   poisoned = task_name in experiment.poisoned_tasks(config)
-  settings = {'finetune': config.finetune.to_dict(), 'regime': dataclasses.asdict(regime),
+  settings = {'finetune': experiment.training_record(config.finetune),
+              'regime': dataclasses.asdict(regime),
               **experiment.data_settings(config, 'train_size'),
               'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0),
               **experiment.precision_settings(config)}

@@ -112,7 +112,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
     if config.pretrain.corpus not in CORPORA:
       raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r}: must be one of '
                       f'{CORPORA}')
-    sections['pretrain'] = config.pretrain.to_dict()
+    sections['pretrain'] = experiment.training_record(config.pretrain)
     if config.pretrain.corpus == 'shapes':
       # The captions corpus is drawn from the pretraining seed alone: one backbone serves
       # every suite seed.
