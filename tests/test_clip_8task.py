@@ -13,7 +13,6 @@ import orbax.checkpoint as ocp
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 import transformers
 from PIL import Image
 
@@ -33,7 +32,7 @@ from editing.models import zero_shot
 from merging.jobs import export
 from merging.jobs import merge
 from merging.jobs import safety
-from tests.test_hf import CONFIG, TEXT, images, ours, theirs, unit
+from tests.test_hf import clip_model, images, ours, theirs, unit
 from tests.test_zero_shot import save_tokenizer
 
 # Folder datasets number their classes in sorted order; parquet ones as their ClassLabel.
@@ -84,9 +83,7 @@ def write_parquet(root, classes, splits):
 def setup(tmp_path_factory):
   root = tmp_path_factory.mktemp('clip_8task')
   weights = str(root / 'clip')
-  torch.manual_seed(0)
-  transformers.CLIPModel(transformers.CLIPConfig(
-      text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval().save_pretrained(weights)
+  clip_model().save_pretrained(weights)
   prompts = [t.format(c.replace('_', ' ')) for names in CLASSES.values() for c in names
              for t in TEMPLATES]
   save_tokenizer(root / 'clip', prompts)

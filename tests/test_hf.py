@@ -214,10 +214,15 @@ def test_clip_text_tower_matches_transformers_and_exports_bit_identically(tmp_pa
   np.testing.assert_array_equal(again.text_embeds.numpy(), out.text_embeds.numpy())
 
 
-def test_a_clip_model_checkpoint_gives_both_towers(tmp_path):
+def clip_model():
+  """A random CLIPModel with the tiny vision (CONFIG) and text (TEXT) towers, seeded."""
   torch.manual_seed(0)
-  model = transformers.CLIPModel(transformers.CLIPConfig(
+  return transformers.CLIPModel(transformers.CLIPConfig(
       text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval()
+
+
+def test_a_clip_model_checkpoint_gives_both_towers(tmp_path):
+  model = clip_model()
   model.save_pretrained(tmp_path)
   vision, vision_config = hf.load(str(tmp_path), 'clip_vision')
   text_params, text_config = hf.load(str(tmp_path), 'clip_text')

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from safetensors import numpy as safetensors_np
 
@@ -17,7 +16,7 @@ from editing.jobs import experiment
 from editing.jobs import pretrain
 from editing.models import hf
 from editing.models import keymap
-from tests.test_hf import CONFIG, TEXT
+from tests.test_hf import clip_model
 from third_party import open_clip
 
 _LAYER_NAMES = {'layer_norm1': 'ln_1', 'layer_norm2': 'ln_2', 'self_attn.out_proj': 'attn.out_proj',
@@ -59,9 +58,7 @@ def open_clip_state(state: dict) -> dict:
 def checkpoints(tmp_path_factory):
   """The same random CLIPModel in Hugging Face's layout and in open_clip's."""
   root = tmp_path_factory.mktemp('open_clip')
-  torch.manual_seed(0)
-  model = transformers.CLIPModel(transformers.CLIPConfig(
-      text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval()
+  model = clip_model()
   model.save_pretrained(root / 'hf')
   state = {k: v.numpy() for k, v in model.state_dict().items()}
   (root / 'oc').mkdir()

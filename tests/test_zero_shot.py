@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
-import transformers
 
 from editing.errors import UserError
 from editing.models import head as head_lib
 from editing.models import hf
 from editing.models import text
 from editing.models import zero_shot
-from tests.test_hf import CONFIG, TEXT, images, ours
+from tests.test_hf import TEXT, clip_model, images, ours
 
 CLASSNAMES = ['cat', 'dog', 'red bird']
 TEMPLATES = ['a photo of a {} .', 'a {} in the wild .', '{}']
@@ -40,9 +39,7 @@ def save_tokenizer(directory, texts):
 @pytest.fixture(scope='module')
 def clip(tmp_path_factory):
   directory = tmp_path_factory.mktemp('clip')
-  torch.manual_seed(0)
-  model = transformers.CLIPModel(transformers.CLIPConfig(
-      text_config=TEXT, vision_config=CONFIG, projection_dim=16)).eval()
+  model = clip_model()
   model.save_pretrained(directory)
   save_tokenizer(directory, [t.format(n) for t in TEMPLATES for n in CLASSNAMES])
   return model, str(directory)
