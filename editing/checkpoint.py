@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 import safetensors
 from safetensors import numpy as safetensors_np
 
+from editing import distributed
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector
@@ -32,7 +33,16 @@ _META_KEY = 'editmerge'
 @contextlib.contextmanager
 def atomic_file(path: str):
   """A binary file to write, at a temporary name beside `path` until the block ends without an
-  error, then renamed into place; on an error it is removed and `path` is untouched."""
+  error, then renamed into place; on an error it is removed and `path` is untouched.
+
+  In a multi-process run only process 0 writes (the others' blocks write to /dev/null), and
+  every process waits for it at the end of the block, so all then read the same finished file.
+  """
+  if not distributed.is_primary():
+    with open(os.devnull, 'wb') as f:
+      yield f
+    distributed.sync(f'wrote {path}')
+    return
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix=os.path.basename(path))
@@ -47,6 +57,7 @@ def atomic_file(path: str):
   except BaseException:
     os.unlink(tmp)
     raise
+  distributed.sync(f'wrote {path}')
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import batching
+from editing import distributed
 from editing import sharding as sharding_lib
 from editing.data.suite import Dataset
 from editing.errors import UserError
@@ -56,8 +57,8 @@ class Evaluator:
     outputs = []
     # Padding rows repeat example 0 and are cut from the outputs.
     for batch in batching.padded_batches([np.arange(len(data))], self._batch_size):
-      images, _ = data.batch(batch.arrays[0])
-      outputs.append(np.asarray(fn(jax.device_put(images, self._batch)))[:batch.count])
+      images, _ = distributed.global_batch(data.batch, batch.arrays[0], self._batch)
+      outputs.append(distributed.to_host(fn(images))[:batch.count])
     return np.concatenate(outputs)
 
   def place(self, params: PyTree) -> PyTree:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import batching
+from editing import distributed
 from editing import tree as tree_lib
 
 PyTree = Any
@@ -44,6 +45,6 @@ class SquaredGradientSum:
     totals = {p: np.zeros(np.shape(v), np.float32) for p, v in self._scored.items()}
     for batch in batching.padded_batches([images, extras], self._batch_size):
       sums = self._chunk_sum(self._scored, self._rest, *batch.arrays, batch.weights, shared)
-      for p, s in jax.device_get(sums).items():
+      for p, s in distributed.to_host(sums).items():
         totals[p] += s
     return totals

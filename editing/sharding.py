@@ -51,11 +51,19 @@ PRESETS = {
 
 def make_mesh(num_devices: int | None = None, fsdp: int = 1, tensor: int = 1) -> Mesh:
   """A (data, fsdp, tensor) mesh over the first `num_devices` devices (all when None); the
-  data axis takes what fsdp × tensor leaves."""
+  data axis takes what fsdp × tensor leaves.
+
+  `jax.devices()` lists the devices process by process, so in a multi-process run each
+  process's devices are consecutive along the batch axes (data, then fsdp): each reads one
+  contiguous share of a batch, and tensor-parallel groups stay within a host.
+  """
   devices = jax.devices()
   if num_devices is not None:
     if not 0 < num_devices <= len(devices):
       raise UserError(f'num_devices={num_devices}, but {len(devices)} devices are visible')
+    if num_devices < len(devices) and jax.process_count() > 1:
+      raise UserError(f'num_devices={num_devices}: a multi-process run meshes all '
+                      f'{len(devices)} devices of its {jax.process_count()} processes')
     devices = devices[:num_devices]
   if fsdp < 1 or tensor < 1 or len(devices) % (fsdp * tensor):
     raise UserError(f'a mesh of fsdp={fsdp} × tensor={tensor} does not divide the '

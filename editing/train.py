@@ -25,6 +25,7 @@ import optax
 from absl import logging
 
 from editing import checkpoint
+from editing import distributed
 from editing import sharding as sharding_lib
 from editing import tree as tree_lib
 from editing.data.suite import Dataset, batch_indices
@@ -109,22 +110,29 @@ class _MetricWriter:
   """One JSON line and one TensorBoard scalar per metric; drops lines past a resumed step."""
 
   def __init__(self, workdir: str, resumed_step: int):
+    self._primary = distributed.is_primary()
     self._path = os.path.join(workdir, 'metrics.jsonl')
     if os.path.exists(self._path):
       with open(self._path) as f:
         kept = [line for line in f if _logged_step(line) <= resumed_step]
       checkpoint.atomic_write_bytes(self._path, ''.join(kept).encode())
+    if not self._primary:
+      return
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'), purge_step=resumed_step + 1)
     self._file = open(self._path, 'a')
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self._primary:
+      return
     self._file.write(json.dumps({'step': step, **metrics}) + '\n')
     self._file.flush()
     for name, value in metrics.items():
       self._tb.add_scalar(name, value, step)
 
   def close(self) -> None:
+    if not self._primary:
+      return
     self._file.close()
     self._tb.close()
 
@@ -282,15 +290,16 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
   timer = (time.time(), start)
   # The next batch is read (and, for real images, decoded) in a thread while the device runs
   # the current step; its indices are a pure function of the step, so the order is unchanged.
-  read = lambda step: data.batch(batch_indices(len(data), config.batch_size, step, config.seed))
+  # Each process reads only the rows its devices hold (all of them on a single host).
+  read = lambda step: distributed.global_batch(
+      data.batch, batch_indices(len(data), config.batch_size, step, config.seed), batch)
   try:
     with _SigtermFlag() as sigterm, futures.ThreadPoolExecutor(1) as reader:
       upcoming = reader.submit(read, start) if start < config.steps else None
       for step in range(start, config.steps):
-        host_batch = upcoming.result()
+        images, labels = upcoming.result()
         if step + 1 < config.steps:
           upcoming = reader.submit(read, step + 1)
-        images, labels = jax.device_put(host_batch, batch)
         state, metrics = step_jit(state, inputs, images, labels)
         done = step + 1
         # Checked every step, before saving, so that no checkpoint ever holds a diverged state.
@@ -311,7 +320,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
-  return tree_lib.unflatten({**jax.device_get(state.params), **jax.device_get(inputs.frozen)})
+  return tree_lib.unflatten(distributed.to_host({**state.params, **inputs.frozen}))
 
 
 def _logged_step(line: str) -> float:

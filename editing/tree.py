@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import distributed
 from editing.errors import UserError
 
 PyTree = Any
@@ -140,7 +141,12 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     # what a stable descending argsort keeps, for a sort of the values alone.
     threshold = _kth_largest(values, kept)
     above, ties = values > threshold, values == threshold
-    return above | (ties & (jnp.cumsum(ties) <= kept - jnp.sum(above)))
+    room = kept - jnp.sum(above)
+    # Usually every entry equal to the threshold fits; a concrete array then skips the
+    # cumulative sum, the costliest step on a CPU.
+    if not isinstance(values, jax.core.Tracer) and int(jnp.sum(ties)) <= int(room):
+      return above | ties
+    return above | (ties & (jnp.cumsum(ties) <= room))
 
   if scope == 'tensor':
     return jax.tree.map(lambda s: top(jnp.ravel(s)).reshape(np.shape(s)), scores)
@@ -155,7 +161,7 @@ def _kth_largest(values, kept: int):
   selection for a concrete array, which is the same value ~25× faster on a CPU."""
   if isinstance(values, jax.core.Tracer):
     return jnp.sort(values)[values.size - kept]
-  return np.partition(np.asarray(values), values.size - kept)[values.size - kept]
+  return np.partition(distributed.to_host(values), values.size - kept)[values.size - kept]
 
 
 def fingerprint(tree: PyTree) -> str:

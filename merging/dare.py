@@ -18,7 +18,7 @@ fold_in(fold_in(key, stable_hash(task)), stable_hash(path)). What holds, exactly
 p = 0 is the base merge exactly.
 """
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -41,14 +41,16 @@ def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array) -> list[T
 
 def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float = 0.5,
           then: str = 'task_arithmetic', density: float = 0.2, scope: str = 'global',
-          weights: Sequence[float] | None = None, normalize: bool | None = None) -> TaskVector:
+          weights: Sequence[float] | None = None, normalize: bool | None = None,
+          keep: Sequence[Any] | None = None) -> TaskVector:
   """DARE followed by `then` ('task_arithmetic' or 'ties', which reads density and scope),
-  with its `weights` and `normalize` (None: `then`'s default)."""
+  with its `weights` and `normalize` (None: `then`'s default); `keep`, TIES' masks of the
+  dropped vectors ranked beforehand (see `ties.trim`)."""
   check_compatible(task_vectors, 'dare')
   dropped = drop(task_vectors, p, key)
   options = {'weights': weights, **({} if normalize is None else {'normalize': normalize})}
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped, **options)
   if then == 'ties':
-    return ties.merge(dropped, density=density, scope=scope, **options)
+    return ties.merge(dropped, density=density, scope=scope, keep=keep, **options)
   raise UserError(f'dare: then must be one of {BASE_MERGES}, got {then!r}')

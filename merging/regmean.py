@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import batching
+from editing import distributed
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
@@ -55,7 +56,7 @@ def gram_matrices(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray,
   grams_of_batch = jax.jit(grams_of_batch)
   totals: dict[str, np.ndarray] = {}
   for batch in batching.padded_batches([images], batch_size):
-    for path, gram in jax.device_get(grams_of_batch(params, *batch.arrays,
+    for path, gram in distributed.to_host(grams_of_batch(params, *batch.arrays,
                                                     batch.weights)).items():
       totals[path] = totals.get(path, 0.0) + gram.astype(np.float64)
   return totals

@@ -254,6 +254,18 @@ def test_ties_scopes_differ_and_trim_exact_counts():
   assert any((per_tensor[p] != whole[p]).any() for p in whole)
 
 
+@pytest.mark.parametrize('kept, expected', [
+    # Four entries equal the threshold 2 and three fit: the earliest three, in leaf order.
+    (4, {'a': [0, 1, 1, 0], 'b': [1, 0, 1]}),
+    # All four fit: the case that skips the cumulative sum when eager.
+    (5, {'a': [0, 1, 1, 0], 'b': [1, 1, 1]})])
+def test_top_k_keeps_exact_counts_and_breaks_ties_to_the_earlier_entry(kept, expected):
+  scores = {'a': jnp.array([1., 2., 2., 0.]), 'b': jnp.array([2., 2., 3.])}
+  top = lambda s: tree_lib.top_k(s, lambda n: kept, 'global')
+  for masks in (top(scores), jax.jit(top)(scores)):
+    assert {k: np.asarray(m).astype(int).tolist() for k, m in masks.items()} == expected
+
+
 def test_dare_with_p_zero_is_task_arithmetic():
   vectors = random_vectors()
   merged = flat(dare.merge(vectors, key=INPUTS['key'], p=0.0).delta)

@@ -2,15 +2,19 @@
 the logical-axis presets really divide the parameters' memory across the devices."""
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from editing import sharding
 from editing.errors import UserError
-from tests.conftest import run_python
-from tests.test_train import DRIVER, load
+from tests.conftest import REPO, run_python
+from tests.test_train import DRIVER, assert_bitwise_equal, load
 
 # (fsdp, tensor, preset, regime) on 8 devices; data takes the rest. Pure data parallelism
 # (8×1×1) is tests/test_train.py's.
@@ -23,8 +27,9 @@ def one_device(tmp_path_factory):
   out = {}
   for regime in sorted({m[3] for m in MESHES}):
     run_python([DRIVER, f'--workdir={root / regime}', f'--out={root / regime}.npz', '--steps=3',
-                '--devices=1', f'--regime={regime}'])
-    out[regime] = (load(root / f'{regime}.npz'), _metrics(root / regime))
+                '--devices=1', f'--regime={regime}', f'--ties_out={root / regime}_ties.npz'])
+    out[regime] = (load(root / f'{regime}.npz'), _metrics(root / regime),
+                   load(root / f'{regime}_ties.npz'))
   return out
 
 
@@ -42,7 +47,7 @@ def test_fine_tuning_on_a_mesh_equals_one_device(tmp_path, one_device, fsdp, ten
               f'--preset={preset}', f'--regime={regime}',
               f'--placement={tmp_path}/placement.json'],
              env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
-  params, metrics = one_device[regime]
+  params, metrics, _ = one_device[regime]
   # As in the data-parallel test (tests/test_train.py): the loss sees the whole batch to float
   # precision, and Adam's division by sqrt(v) lets summation-order noise reach a small
   # fraction of a step in the params.
@@ -184,3 +189,36 @@ def test_merges_on_an_fsdp_mesh_equal_one_device(tiny_run, tmp_path):
       # Summation order differs across devices; an example whose two best logits are that
       # close may flip, so one test example (1/128) is allowed.
       assert abs(fsdp['test'][task] - accuracy) <= 1 / 128 + 1e-9, (method, task)
+
+
+def test_two_processes_fine_tune_merge_and_evaluate_as_one_device(tmp_path, one_device):
+  """`jax.distributed` on localhost: two processes of 4 CPU devices each, one (1, 8, 1) mesh
+  across both (every leaf split over the processes, each reading half of every batch), against
+  one device."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+             PYTHONPATH=REPO)
+  processes = [subprocess.Popen(
+      [sys.executable, DRIVER, '--steps=3', '--devices=8', '--fsdp=8', '--preset=fsdp',
+       f'--workdir={tmp_path / "run"}', f'--out={tmp_path}/params.npz',
+       f'--ties_out={tmp_path}/ties.npz', f'--coordinator_address=localhost:{port}',
+       '--num_processes=2', f'--process_id={i}'],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  for i, process in enumerate(processes):
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, f'process {i}:\n{output[-3000:]}'
+
+  params, metrics, ties = one_device['full']
+  # The tolerances of the single-process mesh tests above.
+  for m1, m2 in zip(metrics, _metrics(tmp_path / 'run'), strict=True):
+    np.testing.assert_allclose(m2['loss'], m1['loss'], rtol=1e-5)
+  two = load(tmp_path / 'params.npz')
+  assert two.keys() == params.keys()
+  for k in params:
+    np.testing.assert_allclose(two[k], params[k], rtol=0, atol=2e-4, err_msg=k)
+  # TIES of fixed inputs, its global top-k gathered across the processes, is exact; so are
+  # the evaluator's predictions of θ0 plus a little of it.
+  assert_bitwise_equal(load(tmp_path / 'ties.npz'), ties)

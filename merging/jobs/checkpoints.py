@@ -7,11 +7,14 @@ vectors keyed by that name, the configured method merges them (the same function
 merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither on
 order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
 
-  averaging, task_arithmetic, ties (scope 'tensor'), dare, breadcrumbs, consensus
+  averaging, task_arithmetic, ties, dare, breadcrumbs, consensus
                  θ0 + λ·merge(τ_1..τ_N)
   negation       θ0 − λ·τ_1 (one fine-tuned model)
   extract        τ_1 itself, in float32 (one fine-tuned model)
 
+TIES with scope 'global' (alone or after DARE) ranks each model's magnitudes over all its
+tensors: two counting passes find the exact threshold first (`_GlobalRanking`). Each tensor's
+merge runs on all local devices, split along its first dimension the device count divides.
 Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
 Face directory: safetensors shards of at most `shard_bytes` with their index, and the base's
 config.json and tokenizer files. It is built in `<output>.partial/`, each shard written to a
@@ -24,7 +27,7 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +38,11 @@ from absl import logging
 
 import merging
 from editing import checkpoint
-from editing import tree as tree_lib
+from editing import sharding
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
+from merging import dare
 from merging.jobs import mergekit
 
 DATA_FREE = ('averaging', 'task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus')
@@ -72,10 +76,6 @@ class Plan:
         raise UserError(f'{self.method} reads data ({", ".join(reads.reads)}); checkpoint '
                         f'merging runs only the data-free methods {METHODS}')
       raise UserError(f'unknown checkpoint merge method {self.method!r}; known: {METHODS}')
-    if (self.method == 'dare' and self.settings.get('then') == 'ties' and
-        self.settings.get('scope') != 'tensor'):
-      raise UserError("dare then ties: checkpoint merging ranks DARE's dropped deltas per "
-                      "tensor; set scope='tensor'")
     if self.global_ties and self.allow_nonfinite:
       raise UserError("ties with scope='global' ranks finite magnitudes only; it cannot "
                       'allow non-finite inputs')
@@ -90,8 +90,11 @@ class Plan:
 
   @property
   def global_ties(self) -> bool:
-    """TIES ranking each model's magnitudes as a whole: a counting pass comes first."""
-    return self.method == 'ties' and self.settings.get('scope', 'global') == 'global'
+    """TIES (alone or after DARE) ranking each model's magnitudes as a whole: counting passes
+    come first."""
+    ties_follows = self.method == 'ties' or (self.method == 'dare' and
+                                             self.settings.get('then') == 'ties')
+    return ties_follows and self.settings.get('scope', 'global') == 'global'
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
@@ -114,13 +117,16 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
                       f'{"..." if len(missing) > 5 else ""}, extra {extra[:5]}'
                       f'{"..." if len(extra) > 5 else ""}')
   shards = _shards(base_ckpt, names, plan)
-  # Before anything is written: the counting passes read every tensor.
-  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, plan.settings.get('density', 0.2))
-               for ckpt in ckpts] if plan.global_ties else None)
-  partial = output.rstrip('/') + '.partial'
-  os.makedirs(partial, exist_ok=True)
   labels = tuple(f'model_{i}' for i in range(len(models)))
   key = jax.random.PRNGKey(plan.seed)
+  # Before anything is written: the counting passes read every tensor.
+  rankings = ([_GlobalRanking([n for n in names if _is_floating(base_ckpt, n)],
+                              plan.settings.get('density', 0.2),
+                              _ranked_delta(plan, base_ckpt, ckpt, label, key))
+               for ckpt, label in zip(ckpts, labels)] if plan.global_ties else None)
+  mesh = sharding.make_mesh()
+  partial = output.rstrip('/') + '.partial'
+  os.makedirs(partial, exist_ok=True)
   start, done_bytes, total_bytes = time.time(), 0, sum(s['bytes'] for s in shards)
   done_tensors = 0
   for shard in shards:
@@ -129,7 +135,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
       checkpoint.write_safetensors(
           path, shard['entries'],
           lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
-                                     rankings),
+                                     mesh, rankings),
           metadata={'format': 'pt'})
     done_bytes += shard['bytes']
     done_tensors += len(shard['names'])
@@ -179,6 +185,19 @@ def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(sliced.get_shape()), checkpoint.DTYPES[code]
 
 
+def _ranked_delta(plan: Plan, base: hf.Checkpoint, tuned: hf.Checkpoint, label: str,
+                  key: jax.Array):
+  """delta_of(name): what TIES ranks of one model's tensor, τ = θ_t − θ0 in float32, or after
+  DARE its dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
+  def delta_of(name: str) -> np.ndarray:
+    delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
+    if plan.method == 'dare':
+      vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
+      delta = dare.drop([vector], plan.settings.get('p', 0.5), key)[0].delta[name]
+    return np.asarray(delta)
+  return delta_of
+
+
 class _GlobalRanking:
   """One model's exact top-k of |τ| over all its floating tensors, found by counting, so that
   each tensor's mask is computed alone and equals the in-memory global ranking's.
@@ -192,15 +211,15 @@ class _GlobalRanking:
   `editing.tree.top_k` breaks them.
   """
 
-  def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
-               density: float):
+  def __init__(self, names: Sequence[str], density: float,
+               delta_of: Callable[[str], np.ndarray]):
     if not 0 < density <= 1:
       raise UserError(f'density must be in (0, 1], got {density}')
-    self.names = [n for n in names if _is_floating(base, n)]
+    self.names, self._delta_of = list(names), delta_of
     high = np.zeros(1 << 16, np.int64)
     total = 0
     for name in self.names:
-      bits = self._bits(base, tuned, name)
+      bits = self._bits(name)
       high += np.bincount(bits >> 16, minlength=1 << 16)
       total += bits.size
     self.kept = max(1, int(density * total))
@@ -210,7 +229,7 @@ class _GlobalRanking:
     low = np.zeros(1 << 16, np.int64)
     in_bucket = {}
     for name in self.names:
-      bits = self._bits(base, tuned, name)
+      bits = self._bits(name)
       values, counts = np.unique(bits[(bits >> 16) == bucket] & 0xFFFF, return_counts=True)
       in_bucket[name] = dict(zip(values.tolist(), counts.tolist()))
       low[values] += counts
@@ -221,25 +240,23 @@ class _GlobalRanking:
     ties = [in_bucket[n].get(low_bits, 0) for n in self.names]
     self.ties_before = dict(zip(self.names, np.cumsum([0] + ties[:-1]).tolist()))
 
-  @staticmethod
-  def _bits(base: hf.Checkpoint, tuned: hf.Checkpoint, name: str) -> np.ndarray:
-    delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
-    return np.abs(delta).ravel().view(np.uint32)
+  def _bits(self, name: str) -> np.ndarray:
+    return np.abs(self._delta_of(name)).ravel().view(np.uint32)
 
-  def mask(self, name: str, delta: np.ndarray) -> np.ndarray:
-    """The kept entries of the tensor `name`, whose τ is `delta`."""
-    bits = np.abs(np.asarray(delta, np.float32)).ravel().view(np.uint32)
+  def mask(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The kept entries of the tensor `name`."""
+    bits = self._bits(name)
     ties = bits == self.value
     allowed = self.kept - self.above - self.ties_before[name]
     keep = (bits > self.value) | (ties & (np.cumsum(ties) <= allowed))
-    return keep.reshape(np.shape(delta))
+    return keep.reshape(shape)
 
 
 def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
   return bool(jnp.issubdtype(_header(ckpt, name)[1], jnp.floating))
 
 
-def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
+def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
                   rankings=None) -> np.ndarray:
   base = base_ckpt.tensor(name)
   thetas = [c.tensor(name) for c in ckpts]
@@ -249,17 +266,37 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
                       f'{base.dtype}{list(base.shape)}')
   if not plan.allow_nonfinite:
     for path, x in [(base_ckpt.path, base)] + list(zip(models, thetas)):
-      if tree_lib.first_nonfinite({name: x}) is not None:
+      if _nonfinite(x):
         raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
                         'allow_nonfinite to merge it anyway')
   if not jnp.issubdtype(base.dtype, jnp.floating):
     return base  # integer buffers (position ids, masks) are not weights
-  theta0 = {name: jnp.asarray(base)}
-  vectors = _task_vectors(theta0, [{name: theta} for theta in thetas], labels)
+  placed = _split(mesh, base.shape)
+  theta0 = {name: jax.device_put(base, placed)}
+  vectors = _task_vectors(theta0, [{name: jax.device_put(theta, placed)} for theta in thetas],
+                          labels)
   keep = (None if rankings is None else
-          [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
+          [{name: r.mask(name, base.shape)} for r in rankings])
   edited = _edit(plan, theta0, vectors, key, keep)[name]
-  return np.asarray(edited).astype(_output_dtype(plan, base.dtype))
+  return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
+
+
+def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+  """A tensor's placement: its first dimension that the device count divides is split over all
+  devices (every method is elementwise or ranks on the host, so the bits do not change), or
+  it is replicated."""
+  for d, size in enumerate(shape):
+    if size % mesh.size == 0:
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+          *[None] * d, sharding.MESH_AXES))
+  return sharding.replicated(mesh)
+
+
+def _nonfinite(x: np.ndarray) -> bool:
+  """Whether a floating tensor holds a NaN or an infinity: its float64 sum is then non-finite,
+  and cannot overflow otherwise (float32's range times any real size stays finite in float64),
+  so one pass without a mask decides."""
+  return x.dtype.kind not in 'biu' and not np.isfinite(np.sum(x, dtype=np.float64))
 
 
 def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> list:
@@ -312,7 +349,7 @@ def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndar
   edited = _edit(plan, floats, _task_vectors(floats, tuned, labels),
                  jax.random.PRNGKey(plan.seed))
   return {**{n: np.asarray(x) for n, x in theta0.items()},
-          **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype))
+          **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype), copy=False)
              for n, x in edited.items()}}
 
 

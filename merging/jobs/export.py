@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from editing import checkpoint
+from editing import distributed
 from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
@@ -41,8 +42,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, theta0)
   with ocp.StandardCheckpointer() as checkpointer:
     params = checkpointer.restore(os.path.abspath(source), abstract)
-  hf.export(settings.output, jax.device_get(params), model, 'clip_vision',
-            shard_bytes=settings.shard_bytes)
+  params = distributed.to_host(params)
+  if distributed.is_primary():
+    hf.export(settings.output, params, model, 'clip_vision', shard_bytes=settings.shard_bytes)
+  distributed.sync(f'exported {settings.output}')
   logging.info('exported the %s merge (%s) to %s', settings.method, settings.regime,
                settings.output)
   return settings.output
