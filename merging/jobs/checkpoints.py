@@ -39,6 +39,7 @@ from absl import logging
 import merging
 from editing import checkpoint
 from editing import sharding
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
@@ -120,9 +121,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   labels = tuple(f'model_{i}' for i in range(len(models)))
   key = jax.random.PRNGKey(plan.seed)
   # Before anything is written: the counting passes read every tensor.
-  rankings = ([_GlobalRanking([n for n in names if _is_floating(base_ckpt, n)],
-                              plan.settings.get('density', 0.2),
-                              _ranked_delta(plan, base_ckpt, ckpt, label, key))
+  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, plan.settings.get('density', 0.2),
+                              _ranked(plan, label, key))
                for ckpt, label in zip(ckpts, labels)] if plan.global_ties else None)
   mesh = sharding.make_mesh()
   partial = output.rstrip('/') + '.partial'
@@ -185,17 +185,15 @@ def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(sliced.get_shape()), checkpoint.DTYPES[code]
 
 
-def _ranked_delta(plan: Plan, base: hf.Checkpoint, tuned: hf.Checkpoint, label: str,
-                  key: jax.Array):
-  """delta_of(name): what TIES ranks of one model's tensor, τ = θ_t − θ0 in float32, or after
-  DARE its dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
-  def delta_of(name: str) -> np.ndarray:
-    delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
+def _ranked(plan: Plan, label: str, key: jax.Array) -> Callable:
+  """ranked(name, τ): what TIES ranks of one model's tensor, τ itself, or after DARE its
+  dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
+  def ranked(name: str, delta) -> np.ndarray:
     if plan.method == 'dare':
       vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
       delta = dare.drop([vector], plan.settings.get('p', 0.5), key)[0].delta[name]
-    return np.asarray(delta)
-  return delta_of
+    return np.asarray(delta, np.float32)
+  return ranked
 
 
 class _GlobalRanking:
@@ -211,15 +209,18 @@ class _GlobalRanking:
   `editing.tree.top_k` breaks them.
   """
 
-  def __init__(self, names: Sequence[str], density: float,
-               delta_of: Callable[[str], np.ndarray]):
+  def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
+               density: float, ranked: Callable[[str, np.ndarray], np.ndarray]):
     if not 0 < density <= 1:
       raise UserError(f'density must be in (0, 1], got {density}')
-    self.names, self._delta_of = list(names), delta_of
+    self.names = [n for n in names if _is_floating(base, n)]
+    self._ranked = ranked
+    delta = lambda name: (tuned.tensor(name).astype(np.float32) -
+                          base.tensor(name).astype(np.float32))
     high = np.zeros(1 << 16, np.int64)
     total = 0
     for name in self.names:
-      bits = self._bits(name)
+      bits = self._bits(name, delta(name))
       high += np.bincount(bits >> 16, minlength=1 << 16)
       total += bits.size
     self.kept = max(1, int(density * total))
@@ -229,7 +230,7 @@ class _GlobalRanking:
     low = np.zeros(1 << 16, np.int64)
     in_bucket = {}
     for name in self.names:
-      bits = self._bits(name)
+      bits = self._bits(name, delta(name))
       values, counts = np.unique(bits[(bits >> 16) == bucket] & 0xFFFF, return_counts=True)
       in_bucket[name] = dict(zip(values.tolist(), counts.tolist()))
       low[values] += counts
@@ -240,16 +241,16 @@ class _GlobalRanking:
     ties = [in_bucket[n].get(low_bits, 0) for n in self.names]
     self.ties_before = dict(zip(self.names, np.cumsum([0] + ties[:-1]).tolist()))
 
-  def _bits(self, name: str) -> np.ndarray:
-    return np.abs(self._delta_of(name)).ravel().view(np.uint32)
+  def _bits(self, name: str, delta) -> np.ndarray:
+    return np.abs(self._ranked(name, delta)).ravel().view(np.uint32)
 
-  def mask(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The kept entries of the tensor `name`."""
-    bits = self._bits(name)
+  def mask(self, name: str, delta) -> np.ndarray:
+    """The kept entries of the tensor `name`, whose τ is `delta`."""
+    bits = self._bits(name, delta)
     ties = bits == self.value
     allowed = self.kept - self.above - self.ties_before[name]
     keep = (bits > self.value) | (ties & (np.cumsum(ties) <= allowed))
-    return keep.reshape(shape)
+    return keep.reshape(np.shape(delta))
 
 
 def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
@@ -266,7 +267,7 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
                       f'{base.dtype}{list(base.shape)}')
   if not plan.allow_nonfinite:
     for path, x in [(base_ckpt.path, base)] + list(zip(models, thetas)):
-      if _nonfinite(x):
+      if tree_lib.first_nonfinite({name: x}) is not None:
         raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
                         'allow_nonfinite to merge it anyway')
   if not jnp.issubdtype(base.dtype, jnp.floating):
@@ -276,7 +277,7 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
   vectors = _task_vectors(theta0, [{name: jax.device_put(theta, placed)} for theta in thetas],
                           labels)
   keep = (None if rankings is None else
-          [{name: r.mask(name, base.shape)} for r in rankings])
+          [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
   edited = _edit(plan, theta0, vectors, key, keep)[name]
   return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
 
@@ -290,13 +291,6 @@ def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.Name
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
           *[None] * d, sharding.MESH_AXES))
   return sharding.replicated(mesh)
-
-
-def _nonfinite(x: np.ndarray) -> bool:
-  """Whether a floating tensor holds a NaN or an infinity: its float64 sum is then non-finite,
-  and cannot overflow otherwise (float32's range times any real size stays finite in float64),
-  so one pass without a mask decides."""
-  return x.dtype.kind not in 'biu' and not np.isfinite(np.sum(x, dtype=np.float64))
 
 
 def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> list:
