@@ -12,17 +12,19 @@ Defaults keep 10% of each leaf after dropping its top 1% (`top=0.01`, `bottom=0.
 chosen on validation.
 """
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
 
 
-def merge(task_vectors: Sequence[TaskVector], *, top: float = 0.01,
-          bottom: float = 0.89) -> TaskVector:
-  """Σ_t of each vector with its per-leaf magnitude tails dropped."""
+def merge(task_vectors: Sequence[TaskVector], *, top: float = 0.01, bottom: float = 0.89,
+          keep: Sequence[Any] | None = None) -> TaskVector:
+  """Σ_t of each vector with its per-leaf magnitude tails dropped; `keep`, if given, holds the
+  band masks already ranked (a streamed merge ranks each tensor on the host first)."""
   check_compatible(task_vectors, 'breadcrumbs')
+  if keep is None:
+    keep = [ops.keep_band(v.delta, top, bottom) for v in task_vectors]
   return common.merged(task_vectors, sum(
-      v.replace(delta=ops.where(ops.keep_band(v.delta, top, bottom), v.delta))
-      for v in task_vectors).delta)
+      v.replace(delta=ops.where(k, v.delta)) for k, v in zip(keep, task_vectors)).delta)

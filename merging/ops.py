@@ -22,14 +22,15 @@ def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree
   """
   if not 0 < density <= 1:
     raise UserError(f'density must be in (0, 1], got {density}')
-  return tree_lib.top_k(jax.tree.map(jnp.abs, delta), lambda n: max(1, int(density * n)), scope)
+  # The builtin abs keeps numpy leaves numpy, which top_k ranks on the host without a compile.
+  return tree_lib.top_k(jax.tree.map(abs, delta), lambda n: max(1, int(density * n)), scope)
 
 
 def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
   """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
   if top < 0 or bottom < 0 or top + bottom >= 1:
     raise UserError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
-  magnitudes = jax.tree.map(jnp.abs, delta)
+  magnitudes = jax.tree.map(abs, delta)
   # One ranking for both cuts (ties to the earlier entry), so the largest are a subset of the
   # not-smallest and exactly the band between them remains.
   not_smallest = tree_lib.top_k(magnitudes, lambda n: n - int(bottom * n), 'tensor')

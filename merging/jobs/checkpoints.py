@@ -23,11 +23,16 @@ a pure function of the inputs, so a run killed at any point and rerun keeps the 
 and writes the same bytes as an uninterrupted run.
 """
 
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
+import inspect
 import os
 import shutil
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +49,7 @@ from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
 from merging import dare
+from merging import ops
 from merging.jobs import mergekit
 
 DATA_FREE = ('averaging', 'task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus')
@@ -51,6 +57,7 @@ SINGLE_MODEL = ('negation', 'extract')
 METHODS = DATA_FREE + SINGLE_MODEL
 # The methods that take per-model weights (and `normalize`), as mergekit's do.
 WEIGHTED = ('task_arithmetic', 'ties', 'dare')
+_LEAF = 'tensor'  # the name of the one leaf a tensor's merge sees, unless it reads names
 _OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
                   'float16': np.dtype(np.float16)}
 _COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
@@ -69,6 +76,10 @@ class Plan:
   allow_nonfinite: bool = False
   weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
   dtype: str | None = None  # of the merged floating tensors; default the base's
+
+  def __hash__(self):  # a static argument of the jitted per-tensor merge
+    return hash((self.method, tuple(sorted(self.settings.items())), self.scale, self.seed,
+                 self.shard_bytes, self.allow_nonfinite, self.weights, self.dtype))
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -121,7 +132,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   labels = tuple(f'model_{i}' for i in range(len(models)))
   key = jax.random.PRNGKey(plan.seed)
   # Before anything is written: the counting passes read every tensor.
-  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, plan.settings.get('density', 0.2),
+  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, _setting(plan, 'density'),
                               _ranked(plan, label, key))
                for ckpt, label in zip(ckpts, labels)] if plan.global_ties else None)
   mesh = sharding.make_mesh()
@@ -132,11 +143,11 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   for shard in shards:
     path = os.path.join(partial, shard['file'])
     if not os.path.exists(path):
-      checkpoint.write_safetensors(
-          path, shard['entries'],
-          lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan,
-                                     mesh, rankings),
-          metadata={'format': 'pt'})
+      merged = _ahead(lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key,
+                                                 plan, mesh, rankings), shard['names'])
+      with contextlib.closing(merged):
+        checkpoint.write_safetensors(path, shard['entries'], lambda name: next(merged)[name],
+                                     metadata={'format': 'pt'})
     done_bytes += shard['bytes']
     done_tensors += len(shard['names'])
     rate = done_bytes / max(time.time() - start, 1e-9)
@@ -146,6 +157,23 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   _finish(base, partial, output, shards)
   return {'output': output, 'tensors': len(names), 'shards': len(shards),
           'bytes': total_bytes, 'seconds': time.time() - start}
+
+
+def _ahead(produce: Callable[[str], np.ndarray], names: Iterable[str],
+           depth: int = 1) -> Iterator[dict[str, np.ndarray]]:
+  """{name: produce(name)} for each name in order, the next `depth` produced in a thread while
+  the caller writes the current one: a tensor's write overlaps the next one's read and merge
+  (numpy, file reads and XLA release the GIL), at the memory of `depth` more tensors."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    pending = collections.deque()
+    for name in names:
+      pending.append((name, pool.submit(produce, name)))
+      if len(pending) > depth:
+        done, future = pending.popleft()
+        yield {done: future.result()}
+    while pending:
+      done, future = pending.popleft()
+      yield {done: future.result()}
 
 
 def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
@@ -265,21 +293,67 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
     if theta.shape != base.shape or theta.dtype != base.dtype:
       raise UserError(f'{path}: {name} is {theta.dtype}{list(theta.shape)}, the base '
                       f'{base.dtype}{list(base.shape)}')
-  if not plan.allow_nonfinite:
-    for path, x in [(base_ckpt.path, base)] + list(zip(models, thetas)):
-      if tree_lib.first_nonfinite({name: x}) is not None:
-        raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
-                        'allow_nonfinite to merge it anyway')
   if not jnp.issubdtype(base.dtype, jnp.floating):
+    _check_finite(plan, name, [base_ckpt.path] + list(models),
+                  [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
     return base  # integer buffers (position ids, masks) are not weights
+  # DARE's masks are keyed by the tensor's name; every other method's merge of a tensor is
+  # the same program whatever its name, so tensors of one shape share one compile.
+  leaf = name if plan.method == 'dare' else _LEAF
   placed = _split(mesh, base.shape)
-  theta0 = {name: jax.device_put(base, placed)}
-  vectors = _task_vectors(theta0, [{name: jax.device_put(theta, placed)} for theta in thetas],
-                          labels)
-  keep = (None if rankings is None else
-          [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
-  edited = _edit(plan, theta0, vectors, key, keep)[name]
-  return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
+  edited, finite = _jitted_edit(plan, leaf, key, jax.device_put(base, placed),
+                                [jax.device_put(t, placed) for t in thetas],
+                                _masks(plan, name, leaf, base, thetas, labels, key, rankings))
+  _check_finite(plan, name, [base_ckpt.path] + list(models), np.asarray(finite))
+  return np.asarray(edited)
+
+
+def _masks(plan, name, leaf, base, thetas, labels, key, rankings) -> list | None:
+  """The masks a method ranks for each fine-tuned model's tensor, ranked here on the host
+  (numpy's selection; a sort inside the jitted merge is far slower on a CPU): TIES' top-k
+  (per tensor, or from the global rankings), Breadcrumbs' band; None for the other methods."""
+  ranks_ties = plan.method == 'ties' or (plan.method == 'dare' and
+                                         plan.settings.get('then') == 'ties')
+  if not ranks_ties and plan.method != 'breadcrumbs':
+    return None
+  deltas = [t.astype(np.float32, copy=False) - base.astype(np.float32, copy=False)
+            for t in thetas]
+  if rankings is not None:
+    return [{leaf: r.mask(name, d)} for r, d in zip(rankings, deltas)]
+  if plan.method == 'breadcrumbs':
+    return [ops.keep_band({leaf: d}, _setting(plan, 'top'), _setting(plan, 'bottom'))
+            for d in deltas]
+  return [ops.keep_largest({leaf: _ranked(plan, label, key)(name, d)}, _setting(plan, 'density'),
+                           'tensor') for d, label in zip(deltas, labels)]
+
+
+def _setting(plan: Plan, key: str):
+  """The plan's value of a setting of its method, else the method's own default."""
+  if key in plan.settings:
+    return plan.settings[key]
+  return inspect.signature(merging.get(plan.method).merge).parameters[key].default
+
+
+def _check_finite(plan: Plan, name: str, paths: Sequence[str], finite: Sequence[bool]) -> None:
+  """An error naming the first input whose tensor `name` holds a NaN or an infinity, unless the
+  plan allows them."""
+  for path, ok in zip(paths, finite):
+    if not ok and not plan.allow_nonfinite:
+      raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); pass '
+                      'allow_nonfinite to merge it anyway')
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jitted_edit(plan: Plan, leaf: str, key: jax.Array, base: jax.Array, thetas: list,
+                 keep: list | None):
+  """One tensor's edit as one XLA program (compiled once per leaf name, shape and dtype), with
+  the tensor as the leaf `leaf` of a one-leaf tree: what `_edit` makes of it in the output
+  dtype, and whether each input is finite."""
+  vectors = _task_vectors({leaf: base}, [{leaf: t} for t in thetas],
+                          [f'model_{i}' for i in range(len(thetas))])
+  edited = _edit(plan, {leaf: base}, vectors, key, keep)[leaf]
+  finite = jnp.stack([jnp.isfinite(x).all() for x in [base] + list(thetas)])
+  return edited.astype(_output_dtype(plan, base.dtype)), finite
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
@@ -334,14 +408,16 @@ def _finish(base: str, partial: str, output: str, shards: list[dict]) -> None:
 
 
 def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndarray]:
-  """The same merge over whole models at once: the reference the streamed result must equal."""
+  """The same merge over whole models at once, as one jitted program that ranks inside it: the
+  reference the streamed result must equal. (Jitted as the streamed merge is: XLA contracts
+  a·b + c into one fused multiply-add, so an op-by-op merge may differ in the last bit.)"""
   base_ckpt = hf.Checkpoint(base)
   theta0 = {n: jnp.asarray(base_ckpt.tensor(n)) for n in base_ckpt.files}
   floats = {n: x for n, x in theta0.items() if jnp.issubdtype(x.dtype, jnp.floating)}
   tuned = [{n: ckpt.tensor(n) for n in floats} for ckpt in map(hf.Checkpoint, models)]
   labels = [f'model_{i}' for i in range(len(models))]
-  edited = _edit(plan, floats, _task_vectors(floats, tuned, labels),
-                 jax.random.PRNGKey(plan.seed))
+  edited = jax.jit(_edit, static_argnums=0)(plan, floats, _task_vectors(floats, tuned, labels),
+                                            jax.random.PRNGKey(plan.seed))
   return {**{n: np.asarray(x) for n, x in theta0.items()},
           **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype), copy=False)
              for n, x in edited.items()}}
