@@ -52,7 +52,7 @@ def fixture(root, dtype=np.float32, shard_bytes=10**9):
 
 PLANS = {
     'averaging': checkpoints.Plan('averaging', {}),
-    'task_arithmetic': checkpoints.Plan('task_arithmetic', {}, scale=0.7),
+    'task_arithmetic': checkpoints.Plan('task_arithmetic', {}, scale=0.7, prefetch=1),
     'ties': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'tensor'}, scale=0.9),
     'ties_global': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'global'}, scale=0.9,
                                     shard_bytes=2500),

@@ -76,10 +76,13 @@ class Plan:
   allow_nonfinite: bool = False
   weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
   dtype: str | None = None  # of the merged floating tensors; default the base's
+  # Tensors read and merged ahead, each in a thread, while one is written: more is faster up
+  # to the cores there are, and holds that many more tensors' inputs in memory.
+  prefetch: int = 2
 
   def __hash__(self):  # a static argument of the jitted per-tensor merge
-    return hash((self.method, tuple(sorted(self.settings.items())), self.scale, self.seed,
-                 self.shard_bytes, self.allow_nonfinite, self.weights, self.dtype))
+    return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                      for v in dataclasses.astuple(self)))
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -93,6 +96,8 @@ class Plan:
                       'allow non-finite inputs')
     if self.shard_bytes < 1:
       raise UserError(f'shard_bytes = {self.shard_bytes}: must be positive')
+    if self.prefetch < 1:
+      raise UserError(f'prefetch = {self.prefetch}: must be at least 1')
     if self.weights is not None and self.method not in WEIGHTED:
       raise UserError(f'{self.method} takes no per-model weights; the methods that do: '
                       f'{WEIGHTED}')
@@ -144,7 +149,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
     path = os.path.join(partial, shard['file'])
     if not os.path.exists(path):
       merged = _ahead(lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key,
-                                                 plan, mesh, rankings), shard['names'])
+                                                 plan, mesh, rankings), shard['names'],
+                      plan.prefetch)
       with contextlib.closing(merged):
         checkpoint.write_safetensors(path, shard['entries'], lambda name: next(merged)[name],
                                      metadata={'format': 'pt'})
@@ -160,11 +166,12 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
 
 
 def _ahead(produce: Callable[[str], np.ndarray], names: Iterable[str],
-           depth: int = 1) -> Iterator[dict[str, np.ndarray]]:
-  """{name: produce(name)} for each name in order, the next `depth` produced in a thread while
-  the caller writes the current one: a tensor's write overlaps the next one's read and merge
-  (numpy, file reads and XLA release the GIL), at the memory of `depth` more tensors."""
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+           depth: int) -> Iterator[dict[str, np.ndarray]]:
+  """{name: produce(name)} for each name in order, the next `depth` produced in threads of
+  their own while the caller writes the current one: writes, reads, host rankings and XLA
+  programs overlap (numpy, file reads and XLA release the GIL), at the memory of `depth` more
+  tensors."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=depth) as pool:
     pending = collections.deque()
     for name in names:
       pending.append((name, pool.submit(produce, name)))
@@ -444,7 +451,7 @@ def run(config, workdir: str) -> dict:
   plan = Plan(config.method, section.to_dict() if section is not None else {},
               scale=config.scale, seed=config.seed, shard_bytes=config.shard_bytes,
               allow_nonfinite=config.allow_nonfinite, weights=weights,
-              dtype=config.dtype or None)
+              dtype=config.dtype or None, prefetch=config.prefetch)
   if not config.base:
     raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
                     '.safetensors file)')
