@@ -12,9 +12,12 @@ order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
   negation       θ0 − λ·τ_1 (one fine-tuned model)
   extract        τ_1 itself, in float32 (one fine-tuned model)
 
-TIES with scope 'global' (alone or after DARE) ranks each model's magnitudes over all its
-tensors: two counting passes find the exact threshold first (`_GlobalRanking`). Each tensor's
-merge runs on all local devices, split along its first dimension the device count divides.
+Each tensor's merge is one jitted program, shared by every tensor of its shape; the masks a
+method ranks (TIES' top-k, Breadcrumbs' band) are ranked on the host beforehand, and TIES with
+scope 'global' (alone or after DARE) ranks each model's magnitudes over all its tensors: two
+counting passes find the exact threshold first (`_GlobalRanking`). The merge runs on all local
+devices, split along the tensor's first dimension the device count divides, and `prefetch`
+tensors are read and merged in threads while one is written.
 Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
 Face directory: safetensors shards of at most `shard_bytes` with their index, and the base's
 config.json and tokenizer files. It is built in `<output>.partial/`, each shard written to a
