@@ -47,7 +47,6 @@ from absl import logging
 import merging
 from editing import checkpoint
 from editing import sharding
-from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
@@ -304,9 +303,7 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
       raise UserError(f'{path}: {name} is {theta.dtype}{list(theta.shape)}, the base '
                       f'{base.dtype}{list(base.shape)}')
   if not jnp.issubdtype(base.dtype, jnp.floating):
-    _check_finite(plan, name, [base_ckpt.path] + list(models),
-                  [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
-    return base  # integer buffers (position ids, masks) are not weights
+    return base  # integer buffers (position ids, masks) are not weights, and always finite
   # DARE's masks are keyed by the tensor's name; every other method's merge of a tensor is
   # the same program whatever its name, so tensors of one shape share one compile.
   leaf = name if plan.method == 'dare' else _LEAF
