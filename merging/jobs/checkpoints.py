@@ -12,12 +12,13 @@ order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
   negation       θ0 − λ·τ_1 (one fine-tuned model)
   extract        τ_1 itself, in float32 (one fine-tuned model)
 
-Each tensor's merge is one jitted program, shared by every tensor of its shape; the masks a
-method ranks (TIES' top-k, Breadcrumbs' band) are ranked on the host beforehand, and TIES with
-scope 'global' (alone or after DARE) ranks each model's magnitudes over all its tensors: two
-counting passes find the exact threshold first (`_GlobalRanking`). The merge runs on all local
-devices, split along the tensor's first dimension the device count divides, and `prefetch`
-tensors are read and merged in threads while one is written.
+Each tensor's merge is one jitted program, shared by every tensor of its shape (DARE's runs op
+by op: its draws are keyed by the tensor's name); the masks a method ranks (TIES' top-k,
+Breadcrumbs' band) are ranked on the host beforehand, and TIES with scope 'global' (alone or
+after DARE) ranks each model's magnitudes over all its tensors: two counting passes find the
+exact threshold first (`_GlobalRanking`). The merge runs on all local devices, split along the
+tensor's first dimension the device count divides, and `prefetch` tensors are read and merged in
+threads while one is written.
 Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
 Face directory: safetensors shards of at most `shard_bytes` with their index, and the base's
 config.json and tokenizer files. It is built in `<output>.partial/`, each shard written to a
@@ -47,6 +48,7 @@ from absl import logging
 import merging
 from editing import checkpoint
 from editing import sharding
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
@@ -59,7 +61,11 @@ SINGLE_MODEL = ('negation', 'extract')
 METHODS = DATA_FREE + SINGLE_MODEL
 # The methods that take per-model weights (and `normalize`), as mergekit's do.
 WEIGHTED = ('task_arithmetic', 'ties', 'dare')
-_LEAF = 'tensor'  # the name of the one leaf a tensor's merge sees, unless it reads names
+_LEAF = 'tensor'  # the name of the one leaf a tensor's jitted merge sees
+# DARE draws each tensor's masks from a key folded with the tensor's name: jitted, it would
+# compile a program per tensor (2.4× slower end to end on the benchmark's fixture), so it runs
+# op by op under the tensor's own name, in the streamed merge and in the in-memory reference.
+_OP_BY_OP = ('dare',)
 _OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
                   'float16': np.dtype(np.float16)}
 _COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
@@ -228,7 +234,7 @@ def _ranked(plan: Plan, label: str, key: jax.Array) -> Callable:
   def ranked(name: str, delta) -> np.ndarray:
     if plan.method == 'dare':
       vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
-      delta = dare.drop([vector], plan.settings.get('p', 0.5), key)[0].delta[name]
+      delta = dare.drop([vector], _setting(plan, 'p'), key)[0].delta[name]
     return np.asarray(delta, np.float32)
   return ranked
 
@@ -304,34 +310,37 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
                       f'{base.dtype}{list(base.shape)}')
   if not jnp.issubdtype(base.dtype, jnp.floating):
     return base  # integer buffers (position ids, masks) are not weights, and always finite
-  # DARE's masks are keyed by the tensor's name; every other method's merge of a tensor is
-  # the same program whatever its name, so tensors of one shape share one compile.
-  leaf = name if plan.method == 'dare' else _LEAF
   placed = _split(mesh, base.shape)
-  edited, finite = _jitted_edit(plan, leaf, key, jax.device_put(base, placed),
+  if plan.method in _OP_BY_OP:
+    _check_finite(plan, name, [base_ckpt.path] + list(models),
+                  [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
+    theta0 = {name: jax.device_put(base, placed)}
+    vectors = _task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas], labels)
+    keep = (None if rankings is None else
+            [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
+    edited = _edit(plan, theta0, vectors, key, keep)[name]
+    return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
+  edited, finite = _jitted_edit(plan, jax.device_put(base, placed),
                                 [jax.device_put(t, placed) for t in thetas],
-                                _masks(plan, name, leaf, base, thetas, labels, key, rankings))
+                                _masks(plan, name, base, thetas, rankings))
   _check_finite(plan, name, [base_ckpt.path] + list(models), np.asarray(finite))
   return np.asarray(edited)
 
 
-def _masks(plan, name, leaf, base, thetas, labels, key, rankings) -> list | None:
+def _masks(plan, name, base, thetas, rankings) -> list | None:
   """The masks a method ranks for each fine-tuned model's tensor, ranked here on the host
   (numpy's selection; a sort inside the jitted merge is far slower on a CPU): TIES' top-k
   (per tensor, or from the global rankings), Breadcrumbs' band; None for the other methods."""
-  ranks_ties = plan.method == 'ties' or (plan.method == 'dare' and
-                                         plan.settings.get('then') == 'ties')
-  if not ranks_ties and plan.method != 'breadcrumbs':
+  if plan.method not in ('ties', 'breadcrumbs'):
     return None
   deltas = [t.astype(np.float32, copy=False) - base.astype(np.float32, copy=False)
             for t in thetas]
   if rankings is not None:
-    return [{leaf: r.mask(name, d)} for r, d in zip(rankings, deltas)]
+    return [{_LEAF: r.mask(name, d)} for r, d in zip(rankings, deltas)]
   if plan.method == 'breadcrumbs':
-    return [ops.keep_band({leaf: d}, _setting(plan, 'top'), _setting(plan, 'bottom'))
+    return [ops.keep_band({_LEAF: d}, _setting(plan, 'top'), _setting(plan, 'bottom'))
             for d in deltas]
-  return [ops.keep_largest({leaf: _ranked(plan, label, key)(name, d)}, _setting(plan, 'density'),
-                           'tensor') for d, label in zip(deltas, labels)]
+  return [ops.keep_largest({_LEAF: d}, _setting(plan, 'density'), 'tensor') for d in deltas]
 
 
 def _setting(plan: Plan, key: str):
@@ -350,15 +359,14 @@ def _check_finite(plan: Plan, name: str, paths: Sequence[str], finite: Sequence[
                       'allow_nonfinite to merge it anyway')
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _jitted_edit(plan: Plan, leaf: str, key: jax.Array, base: jax.Array, thetas: list,
-                 keep: list | None):
-  """One tensor's edit as one XLA program (compiled once per leaf name, shape and dtype), with
-  the tensor as the leaf `leaf` of a one-leaf tree: what `_edit` makes of it in the output
-  dtype, and whether each input is finite."""
-  vectors = _task_vectors({leaf: base}, [{leaf: t} for t in thetas],
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_edit(plan: Plan, base: jax.Array, thetas: list, keep: list | None):
+  """One tensor's edit as one XLA program, compiled once per shape and dtype (the tensor is the
+  one leaf `_LEAF`, whatever its name): what `_edit` makes of it in the output dtype, and
+  whether each input is finite."""
+  vectors = _task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
-  edited = _edit(plan, {leaf: base}, vectors, key, keep)[leaf]
+  edited = _edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
   finite = jnp.stack([jnp.isfinite(x).all() for x in [base] + list(thetas)])
   return edited.astype(_output_dtype(plan, base.dtype)), finite
 
@@ -415,16 +423,17 @@ def _finish(base: str, partial: str, output: str, shards: list[dict]) -> None:
 
 
 def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndarray]:
-  """The same merge over whole models at once, as one jitted program that ranks inside it: the
-  reference the streamed result must equal. (Jitted as the streamed merge is: XLA contracts
-  a·b + c into one fused multiply-add, so an op-by-op merge may differ in the last bit.)"""
+  """The same merge over whole models at once, ranking inside it: the reference the streamed
+  result must equal. Jitted as the streamed merge is (DARE op by op, as it is there): XLA
+  contracts a·b + c into one fused multiply-add and divides by a constant as a multiply by its
+  reciprocal, so an op-by-op merge and a jitted one may differ in the last bit."""
   base_ckpt = hf.Checkpoint(base)
   theta0 = {n: jnp.asarray(base_ckpt.tensor(n)) for n in base_ckpt.files}
   floats = {n: x for n, x in theta0.items() if jnp.issubdtype(x.dtype, jnp.floating)}
   tuned = [{n: ckpt.tensor(n) for n in floats} for ckpt in map(hf.Checkpoint, models)]
   labels = [f'model_{i}' for i in range(len(models))]
-  edited = jax.jit(_edit, static_argnums=0)(plan, floats, _task_vectors(floats, tuned, labels),
-                                            jax.random.PRNGKey(plan.seed))
+  edit = _edit if plan.method in _OP_BY_OP else jax.jit(_edit, static_argnums=0)
+  edited = edit(plan, floats, _task_vectors(floats, tuned, labels), jax.random.PRNGKey(plan.seed))
   return {**{n: np.asarray(x) for n, x in theta0.items()},
           **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype), copy=False)
              for n, x in edited.items()}}
