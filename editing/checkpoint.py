@@ -136,9 +136,9 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
                       produce: Callable[[str], np.ndarray], metadata: dict | None = None) -> None:
-  """A safetensors file whose tensors are made one at a time by produce(name), in `entries`'
-  order, so only one is in memory; the header comes from the entries (name, shape, dtype).
-  Written to a temporary name and renamed."""
+  """A safetensors file whose tensors are made by produce(name), in `entries`' order, each
+  written as it comes, so the file is never whole in memory; the header comes from the entries
+  (name, shape, dtype). Written to a temporary name and renamed."""
   header, offset = {}, 0
   for name, shape, dtype in entries:
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize

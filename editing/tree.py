@@ -139,7 +139,7 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
   leaves, treedef = jax.tree.flatten(scores)
   # Traced (under jit), XLA ranks by a sort. Concrete arrays are ranked on the host in numpy:
   # its linear selection finds the same k-th value ~25× faster on a CPU, and the masks cost
-  # no compile per shape. Either way the masks are the same bits.
+  # no compile per shape. Either way the masks are the same bits (NaN ranking above all).
   xp = jnp if any(isinstance(s, jax.core.Tracer) for s in leaves) else np
   if xp is np:
     leaves = [distributed.to_host(s) for s in leaves]
@@ -165,7 +165,9 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
   if scope == 'tensor':
     masks = [top(xp.ravel(s)).reshape(np.shape(s)) for s in leaves]
   else:
-    kept = top(xp.concatenate([xp.ravel(s) for s in leaves]))
+    # jnp's promotion for mixed leaves (bfloat16 with float16 makes float32), on either path.
+    dtype = jnp.result_type(*leaves)
+    kept = top(xp.concatenate([xp.ravel(s).astype(dtype, copy=False) for s in leaves]))
     pieces = xp.split(kept, np.cumsum([np.size(s) for s in leaves])[:-1].tolist())
     masks = [p.reshape(np.shape(s)) for p, s in zip(pieces, leaves)]
   return jax.tree.unflatten(treedef, masks)
@@ -182,7 +184,8 @@ def _kth_largest(values: np.ndarray, kept: int):
     # One point of slack over the kept share keeps ~99.99% of arrays off the slow path.
     from_top = min(sample.size, math.ceil((kept / n + 0.01) * sample.size))
     bound = np.partition(sample, sample.size - from_top)[sample.size - from_top]
-    candidates = values[values >= bound]
+    # Not `values >= bound`: NaN ranks above everything, as np.partition and sort rank it.
+    candidates = values[~(values < bound)]
     if candidates.size >= kept:
       return np.partition(candidates, candidates.size - kept)[candidates.size - kept]
   return np.partition(values, n - kept)[n - kept]

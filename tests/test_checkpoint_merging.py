@@ -208,6 +208,21 @@ def test_nan_inputs_merge_when_allowed(tmp_path):
   assert json.load(open(tmp_path / 'out' / 'config.json'))['model_type'] == 'llama'
 
 
+@pytest.mark.parametrize('method', ['task_arithmetic', 'ties'])
+def test_float64_tensors_are_written_in_float64(tmp_path, method):
+  # JAX computes them in float32 (x64 is off); the output keeps the dtype as stored.
+  base, models = fixture(str(tmp_path))
+  for directory in [base] + models:
+    rewrite(directory, lambda t: t.update({'model.norm.weight': t['model.norm.weight'].astype(
+        np.float64)}))
+  plan = checkpoints.Plan(method, {'density': 0.5} if method == 'ties' else {}, scale=0.3)
+  checkpoints.merge(base, models, str(tmp_path / 'out'), plan)
+  streamed = checkpoints.read_output(str(tmp_path / 'out'))['model.norm.weight']
+  expected = checkpoints.in_memory(base, models, plan)['model.norm.weight']
+  assert streamed.dtype == expected.dtype == np.float64
+  np.testing.assert_array_equal(bits(streamed), bits(expected))
+
+
 def test_the_launch_job_merges_and_names_a_data_method_in_one_line(tmp_path, run_python):
   base, models = fixture(str(tmp_path))
   args = ['-m', 'launch.merge_checkpoints', f'--workdir={tmp_path}', f'--config.base={base}',

@@ -1,11 +1,11 @@
 """Merging Hugging Face checkpoints of any size, a tensor at a time, through `merging`'s methods.
 
 A base checkpoint θ0 and N fine-tuned checkpoints of the same architecture (any: an LLM, a ViT)
-are read lazily (`editing.models.hf.Checkpoint`, one tensor of each at a time). For every
-tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in float32) become one-leaf task
-vectors keyed by that name, the configured method merges them (the same function the suite's
-merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither on
-order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
+are read lazily (`editing.models.hf.Checkpoint`, a tensor at a time, `prefetch` + 1 tensors in
+memory at most). For every tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in
+float32) become one-leaf task vectors, the configured method merges them (the same function the
+suite's merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither
+on order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
 
   averaging, task_arithmetic, ties, dare, breadcrumbs, consensus
                  θ0 + λ·merge(τ_1..τ_N)
@@ -179,7 +179,8 @@ def _ahead(produce: Callable[[str], np.ndarray], names: Iterable[str],
   their own while the caller writes the current one: writes, reads, host rankings and XLA
   programs overlap (numpy, file reads and XLA release the GIL), at the memory of `depth` more
   tensors."""
-  with concurrent.futures.ThreadPoolExecutor(max_workers=depth) as pool:
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth)
+  try:
     pending = collections.deque()
     for name in names:
       pending.append((name, pool.submit(produce, name)))
@@ -189,6 +190,9 @@ def _ahead(produce: Callable[[str], np.ndarray], names: Iterable[str],
     while pending:
       done, future = pending.popleft()
       yield {done: future.result()}
+  finally:
+    # After an error or an interrupt, the merges not yet started are dropped, not run.
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
@@ -324,7 +328,8 @@ def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
                                 [jax.device_put(t, placed) for t in thetas],
                                 _masks(plan, name, base, thetas, rankings))
   _check_finite(plan, name, [base_ckpt.path] + list(models), np.asarray(finite))
-  return np.asarray(edited)
+  # Cast here, from the dtype as stored: JAX without x64 would see float64 as float32.
+  return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
 
 
 def _masks(plan, name, base, thetas, rankings) -> list | None:
@@ -362,13 +367,13 @@ def _check_finite(plan: Plan, name: str, paths: Sequence[str], finite: Sequence[
 @functools.partial(jax.jit, static_argnums=0)
 def _jitted_edit(plan: Plan, base: jax.Array, thetas: list, keep: list | None):
   """One tensor's edit as one XLA program, compiled once per shape and dtype (the tensor is the
-  one leaf `_LEAF`, whatever its name): what `_edit` makes of it in the output dtype, and
-  whether each input is finite."""
+  one leaf `_LEAF`, whatever its name): what `_edit` makes of it, and whether each input is
+  finite."""
   vectors = _task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   edited = _edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
   finite = jnp.stack([jnp.isfinite(x).all() for x in [base] + list(thetas)])
-  return edited.astype(_output_dtype(plan, base.dtype)), finite
+  return edited, finite
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
@@ -428,15 +433,14 @@ def in_memory(base: str, models: Sequence[str], plan: Plan) -> dict[str, np.ndar
   contracts a·b + c into one fused multiply-add and divides by a constant as a multiply by its
   reciprocal, so an op-by-op merge and a jitted one may differ in the last bit."""
   base_ckpt = hf.Checkpoint(base)
-  theta0 = {n: jnp.asarray(base_ckpt.tensor(n)) for n in base_ckpt.files}
-  floats = {n: x for n, x in theta0.items() if jnp.issubdtype(x.dtype, jnp.floating)}
+  stored = {n: base_ckpt.tensor(n) for n in base_ckpt.files}
+  floats = {n: jnp.asarray(x) for n, x in stored.items() if jnp.issubdtype(x.dtype, jnp.floating)}
   tuned = [{n: ckpt.tensor(n) for n in floats} for ckpt in map(hf.Checkpoint, models)]
   labels = [f'model_{i}' for i in range(len(models))]
   edit = _edit if plan.method in _OP_BY_OP else jax.jit(_edit, static_argnums=0)
   edited = edit(plan, floats, _task_vectors(floats, tuned, labels), jax.random.PRNGKey(plan.seed))
-  return {**{n: np.asarray(x) for n, x in theta0.items()},
-          **{n: np.asarray(x).astype(_output_dtype(plan, floats[n].dtype), copy=False)
-             for n, x in edited.items()}}
+  return {**stored, **{n: np.asarray(x).astype(_output_dtype(plan, stored[n].dtype), copy=False)
+                       for n, x in edited.items()}}
 
 
 def read_output(output: str) -> dict[str, np.ndarray]:
