@@ -262,8 +262,7 @@ class _GlobalRanking:
       raise UserError(f'density must be in (0, 1], got {density}')
     self.names = [n for n in names if _is_floating(base, n)]
     self._ranked = ranked
-    delta = lambda name: (tuned.tensor(name).astype(np.float32) -
-                          base.tensor(name).astype(np.float32))
+    delta = lambda name: _host_delta(tuned.tensor(name), base.tensor(name))
     high = np.zeros(1 << 16, np.int64)
     total = 0
     for name in self.names:
@@ -338,14 +337,18 @@ def _masks(plan, name, base, thetas, rankings) -> list | None:
   (per tensor, or from the global rankings), Breadcrumbs' band; None for the other methods."""
   if plan.method not in ('ties', 'breadcrumbs'):
     return None
-  deltas = [t.astype(np.float32, copy=False) - base.astype(np.float32, copy=False)
-            for t in thetas]
+  deltas = [_host_delta(t, base) for t in thetas]
   if rankings is not None:
     return [{_LEAF: r.mask(name, d)} for r, d in zip(rankings, deltas)]
   if plan.method == 'breadcrumbs':
     return [ops.keep_band({_LEAF: d}, _setting(plan, 'top'), _setting(plan, 'bottom'))
             for d in deltas]
   return [ops.keep_largest({_LEAF: d}, _setting(plan, 'density'), 'tensor') for d in deltas]
+
+
+def _host_delta(theta: np.ndarray, base: np.ndarray) -> np.ndarray:
+  """τ = θ − θ0 in float32 on the host, the values the host rankings read."""
+  return theta.astype(np.float32, copy=False) - base.astype(np.float32, copy=False)
 
 
 def _setting(plan: Plan, key: str):
