@@ -11,9 +11,10 @@ and a non-finite value is named by its file and leaf path.
 
 import contextlib
 import json
+import math
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import ml_dtypes
@@ -135,13 +136,15 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
-                      produce: Callable[[str], np.ndarray], metadata: dict | None = None) -> None:
+                      produce: Callable[[str], np.ndarray | Iterable[np.ndarray]],
+                      metadata: dict | None = None) -> None:
   """A safetensors file whose tensors are made by produce(name), in `entries`' order, each
-  written as it comes, so the file is never whole in memory; the header comes from the entries
+  written as it comes, so the file is never whole in memory: produce returns the tensor, or its
+  entries in row-major order as consecutive 1-D chunks. The header comes from the entries
   (name, shape, dtype). Written to a temporary name and renamed."""
   header, offset = {}, 0
   for name, shape, dtype in entries:
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    size = math.prod(shape) * np.dtype(dtype).itemsize
     header[name] = {'dtype': _CODES[np.dtype(dtype)], 'shape': list(shape),
                     'data_offsets': [offset, offset + size]}
     offset += size
@@ -152,10 +155,18 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dt
   with atomic_file(path) as f:
     f.write(len(blob).to_bytes(8, 'little') + blob)
     for name, shape, dtype in entries:
-      array = np.ascontiguousarray(produce(name))
-      if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
-        raise ValueError(f'{name}: made {array.dtype}{array.shape}, planned {dtype}{shape}')
-      f.write(array.reshape(-1).view(np.uint8).data)
+      made = produce(name)
+      if isinstance(made, np.ndarray) and made.shape != tuple(shape):
+        raise ValueError(f'{name}: made {made.dtype}{made.shape}, planned {dtype}{shape}')
+      written = 0
+      for chunk in [made] if isinstance(made, np.ndarray) else made:
+        chunk = np.ascontiguousarray(chunk)
+        if chunk.dtype != np.dtype(dtype):
+          raise ValueError(f'{name}: made {chunk.dtype}, planned {dtype}')
+        f.write(chunk.reshape(-1).view(np.uint8).data)
+        written += chunk.size
+      if written != math.prod(shape):
+        raise ValueError(f'{name}: made {written} entries, planned {math.prod(shape)} ({shape})')
 
 
 def save_task_vector(path: str, vector: TaskVector, extra: dict | None = None) -> None:

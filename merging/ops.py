@@ -1,7 +1,7 @@
 """The primitives merges are built from: trim, elect a sign, take the disjoint mean, drop and
 rescale. Each maps deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state."""
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,21 @@ PyTree = Any
 SCOPES = tree_lib.SCOPES
 
 
+def largest_count(density: float) -> Callable[[int], int]:
+  """How many of n magnitudes TIES keeps: max(1, ⌊density·n⌋), as mergekit does."""
+  if not 0 < density <= 1:
+    raise UserError(f'density must be in (0, 1], got {density}')
+  return lambda n: max(1, int(density * n))
+
+
+def band_counts(top: float, bottom: float) -> tuple[Callable[[int], int], Callable[[int], int]]:
+  """How many of n magnitudes are not among the ⌊bottom·n⌋ smallest, and how many are the
+  ⌊top·n⌋ largest: Breadcrumbs keeps the first set without the second."""
+  if top < 0 or bottom < 0 or top + bottom >= 1:
+    raise UserError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
+  return (lambda n: n - int(bottom * n)), (lambda n: int(top * n))
+
+
 def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree:
   """Boolean masks of the top-`density` magnitudes: max(1, ⌊density·n⌋) entries, exactly.
 
@@ -20,22 +35,19 @@ def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree
   ranks the whole tree at once (as the TIES paper and FusionBench do). Ties go to the earlier
   entry (path order, then row-major), so the count is exact.
   """
-  if not 0 < density <= 1:
-    raise UserError(f'density must be in (0, 1], got {density}')
   # The builtin abs keeps numpy leaves numpy, which top_k ranks on the host without a compile.
-  return tree_lib.top_k(jax.tree.map(abs, delta), lambda n: max(1, int(density * n)), scope)
+  return tree_lib.top_k(jax.tree.map(abs, delta), largest_count(density), scope)
 
 
 def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
   """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
-  if top < 0 or bottom < 0 or top + bottom >= 1:
-    raise UserError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
+  not_smallest, largest = band_counts(top, bottom)
   magnitudes = jax.tree.map(abs, delta)
   # One ranking for both cuts (ties to the earlier entry), so the largest are a subset of the
   # not-smallest and exactly the band between them remains.
-  not_smallest = tree_lib.top_k(magnitudes, lambda n: n - int(bottom * n), 'tensor')
-  largest = tree_lib.top_k(magnitudes, lambda n: int(top * n), 'tensor')
-  return jax.tree.map(lambda keep, drop: keep & ~drop, not_smallest, largest)
+  return jax.tree.map(lambda keep, drop: keep & ~drop,
+                      tree_lib.top_k(magnitudes, not_smallest, 'tensor'),
+                      tree_lib.top_k(magnitudes, largest, 'tensor'))
 
 
 def where(mask: PyTree, delta: PyTree) -> PyTree:

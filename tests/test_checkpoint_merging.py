@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import merge_checkpoints as merge_checkpoints_config
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from merging.jobs import checkpoints
@@ -88,6 +89,42 @@ def test_streamed_merge_equals_the_in_memory_merge_bit_for_bit(tmp_path, name, d
   assert not os.path.exists(out + '.partial')
 
 
+@pytest.mark.parametrize('name', sorted(PLANS))
+def test_tensors_merged_in_many_blocks_equal_the_in_memory_merge(tmp_path, monkeypatch, name):
+  """Blocks of 64 entries: every tensor but the norms spans several, the last one padded, and
+  each ranked mask is drawn from its cut a block at a time (bf16, whose deltas tie often)."""
+  monkeypatch.setattr(checkpoints, '_BLOCK', 64)
+  base, models = fixture(str(tmp_path), ml_dtypes.bfloat16, shard_bytes=3000)
+  out = str(tmp_path / 'out')
+  checkpoints.merge(base, models, out, PLANS[name])
+  streamed = checkpoints.read_output(out)
+  for n, x in checkpoints.in_memory(base, models, PLANS[name]).items():
+    np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
+
+
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('name', ['ties', 'breadcrumbs'])
+def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path, monkeypatch,
+                                                                        name, dtype):
+  """Every tensor of 256 entries or more ranked by a sample's brackets and one pass over its
+  blocks (falling back to the full ranking where a bracket misses): the same masks."""
+  monkeypatch.setattr(checkpoints, '_BLOCK', 64)
+  monkeypatch.setattr(checkpoints, '_SAMPLED', 256)
+  monkeypatch.setattr(checkpoints, '_CLUSTERS', 8)
+  monkeypatch.setattr(checkpoints, '_CLUSTER', 8)
+  found = []
+  original = tree_lib.Bracketed.cut
+  monkeypatch.setattr(tree_lib.Bracketed, 'cut',
+                      lambda self, kept: found.append(original(self, kept)) or found[-1])
+  base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
+  out = str(tmp_path / 'out')
+  checkpoints.merge(base, models, out, PLANS[name])
+  streamed = checkpoints.read_output(out)
+  for n, x in checkpoints.in_memory(base, models, PLANS[name]).items():
+    np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
+  assert any(c is not None for c in found), 'no tensor was ranked by its brackets'
+
+
 def test_task_arithmetic_and_ties_follow_mergekits_conventions(tmp_path):
   base, models = fixture(str(tmp_path))
   theta0 = checkpoints.read_output(base)
@@ -122,7 +159,7 @@ def test_a_crashed_merge_resumes_to_the_same_bytes(tmp_path, monkeypatch):
   plan = checkpoints.Plan('dare', PLANS['dare'].settings, seed=3, shard_bytes=2500)
   checkpoints.merge(base, models, str(tmp_path / 'whole'), plan)
   calls = {'n': 0}
-  original = checkpoints._merge_tensor  # pylint: disable=protected-access
+  original = checkpoints._TensorMerge.block  # pylint: disable=protected-access
 
   def crash_midway(*args):
     calls['n'] += 1
@@ -130,14 +167,14 @@ def test_a_crashed_merge_resumes_to_the_same_bytes(tmp_path, monkeypatch):
       raise KeyboardInterrupt('killed')
     return original(*args)
 
-  monkeypatch.setattr(checkpoints, '_merge_tensor', crash_midway)
+  monkeypatch.setattr(checkpoints._TensorMerge, 'block', crash_midway)
   out = str(tmp_path / 'resumed')
   with pytest.raises(KeyboardInterrupt):
     checkpoints.merge(base, models, out, plan)
   assert not os.path.exists(out)
   finished = [f for f in os.listdir(out + '.partial') if f.endswith('.safetensors')]
   assert finished, 'no shard finished before the crash'
-  monkeypatch.setattr(checkpoints, '_merge_tensor', original)
+  monkeypatch.setattr(checkpoints._TensorMerge, 'block', original)
   checkpoints.merge(base, models, out, plan)
   assert output_bytes(out) == output_bytes(str(tmp_path / 'whole'))
   assert len([f for f in os.listdir(out) if f.startswith('model-')]) > 1
@@ -190,6 +227,13 @@ def test_bad_inputs_are_named_and_nothing_is_written(tmp_path, case):
   with pytest.raises(UserError, match=message):
     checkpoints.merge(base, models, out, PLANS['ties'])
   assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize('method, settings', [('ties', {'scope': 'tensor'}), ('breadcrumbs', {}),
+                                               ('ties', {'scope': 'global'})])
+def test_ranking_methods_refuse_to_allow_nonfinite_inputs(method, settings):
+  with pytest.raises(UserError, match=f'{method} ranks magnitudes, and a NaN has no rank'):
+    checkpoints.Plan(method, settings, allow_nonfinite=True)
 
 
 def test_methods_that_need_data_are_refused():
@@ -318,6 +362,8 @@ dtype: bfloat16
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
      '{model: c, parameters: {density: 0.4}}]', r'different densities \[0.2, 0.4\]'),
     ('merge_method: ties\nmodels: [{model: a}]', 'base_model is required'),
+    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {weight: [0, 1]}}]',
+     r'models\[0\].parameters.weight = \[0, 1\] must be a number'),
 ])
 def test_unsupported_mergekit_keys_are_named(tmp_path, text, message):
   config = merge_checkpoints_config.get_config()

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: config.json plus safetensors, single or sharded.
 
-Reading is lazy, a tensor at a time (`Checkpoint.tensor`), from `model.safetensors` or the
-shards that `model.safetensors.index.json` names; pickled weights (.bin, .pt, .pth, .ckpt) are
+Reading is lazy, a tensor (`Checkpoint.tensor`) or a range of its entries (`Checkpoint.read`)
+at a time, from `model.safetensors` or the shards that `model.safetensors.index.json` names; pickled weights (.bin, .pt, .pth, .ckpt) are
 refused unread, with how to convert them. Importing checks every name at once: the error lists
 each tensor the model needs and the file lacks, each tensor of the model's part of the file that
 nothing reads, and each shape that differs. Tensors are read in the dtype they are stored in
@@ -20,6 +20,7 @@ and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py), '
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -108,24 +109,48 @@ class Checkpoint:
                       'or corrupt') from None
 
   def tensor(self, name: str) -> np.ndarray:
-    """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none.
+    """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none."""
+    shape, _ = self.header(name)
+    return self.read(name, 0, math.prod(shape)).reshape(shape)
 
-    Read with a plain positioned read, not a memory map, so that the pages of tensors already
-    merged do not stay in this process's resident memory.
-    """
-    file = self.files[name]
-    header, start = self._header(file)
-    entry = header[name]
-    begin, end = entry['data_offsets']
+  def header(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """A tensor's shape and numpy dtype, from the file's header alone."""
+    entry = self._entry(name)
     dtype = checkpoint.DTYPES.get(entry['dtype'])
     if dtype is None:
-      raise UserError(f'{file}: {name} has dtype {entry["dtype"]}, which is not read here')
-    array = np.empty(end - begin, np.uint8)
-    with open(file, 'rb') as f:
-      f.seek(start + begin)
-      if f.readinto(array) != end - begin:
-        raise UserError(f'{file}: {name} ends past the end of the file; it is truncated')
-    return array.view(dtype).reshape(entry['shape'])
+      raise UserError(f'{self.files[name]}: {name} has dtype {entry["dtype"]}, which is not '
+                      'read here')
+    return tuple(entry['shape']), dtype
+
+  def read(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Entries [start, stop) of a tensor in row-major order, as stored, into `out` (a 1-D
+    array of the tensor's dtype and at least stop − start entries; a new one if None).
+
+    A plain positioned read, not a memory map, so that the pages of tensors already merged do
+    not stay in this process's resident memory, and a block read into a buffer that is used
+    again stays in the processor's cache.
+    """
+    file = self.files[name]
+    _, dtype = self.header(name)
+    begin = self._entry(name)['data_offsets'][0] + self._header(file)[1]
+    count = stop - start
+    if out is None:
+      out = np.empty(count, dtype)
+    view = out[:count].view(np.uint8)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+      done = 0
+      while done < view.size:  # a single read returns at most about 2 GB on Linux
+        got = os.preadv(fd, [view[done:]], begin + start * dtype.itemsize + done)
+        if got == 0:
+          raise UserError(f'{file}: {name} ends past the end of the file; it is truncated')
+        done += got
+    finally:
+      os.close(fd)
+    return out[:count]
+
+  def _entry(self, name: str) -> dict:
+    return self._header(self.files[name])[0][name]
 
   def _header(self, file: str) -> tuple[dict, int]:
     """The file's JSON header and where its data starts (parsed once per file)."""

@@ -1,8 +1,8 @@
-"""Merging Hugging Face checkpoints of any size, a tensor at a time, through `merging`'s methods.
+"""Merging Hugging Face checkpoints of any size, a block at a time, through `merging`'s methods.
 
 A base checkpoint θ0 and N fine-tuned checkpoints of the same architecture (any: an LLM, a ViT)
-are read lazily (`editing.models.hf.Checkpoint`, a tensor at a time, `prefetch` + 1 tensors in
-memory at most). For every tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in
+are read lazily (`editing.models.hf.Checkpoint`: positioned reads of a tensor's entries, never
+a whole model). For every tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in
 float32) become one-leaf task vectors, the configured method merges them (the same function the
 suite's merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither
 on order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
@@ -12,13 +12,19 @@ on order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
   negation       θ0 − λ·τ_1 (one fine-tuned model)
   extract        τ_1 itself, in float32 (one fine-tuned model)
 
-Each tensor's merge is one jitted program, shared by every tensor of its shape (DARE's runs op
-by op: its draws are keyed by the tensor's name); the masks a method ranks (TIES' top-k,
-Breadcrumbs' band) are ranked on the host beforehand, and TIES with scope 'global' (alone or
-after DARE) ranks each model's magnitudes over all its tensors: two counting passes find the
-exact threshold first (`_GlobalRanking`). The merge runs on all local devices, split along the
-tensor's first dimension the device count divides, and `prefetch` tensors are read and merged in
-threads while one is written.
+A tensor is merged in blocks of `_BLOCK` entries (the last one padded), each block of the N + 1
+inputs read, merged by one call of a jitted program and written while it is in the processor's
+cache; one program serves every block, so a whole model compiles once per method and dtype. The
+masks a method ranks (TIES' top-k, Breadcrumbs' band) need the whole tensor: before its blocks,
+each model's |τ| is ranked on the host into a cut (`editing.tree.Cut`: a threshold and the last
+tie kept; a large tensor in one bracketed pass over its blocks), and each block draws its masks
+from the cuts. TIES with scope 'global' (alone or after DARE) ranks each model's magnitudes over
+all its tensors: two counting passes find the exact threshold first (`_GlobalRanking`). DARE
+merges a tensor whole, op by op under its own name, so that its draws are the in-memory
+merge's. Blocks run on all local devices, split over them where the device count divides the
+block, and `prefetch` blocks are read and merged in threads while one is written, the next
+tensors' rankings beside them.
+
 Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
 Face directory: safetensors shards of at most `shard_bytes` with their index, and the base's
 config.json and tokenizer files. It is built in `<output>.partial/`, each shard written to a
@@ -33,16 +39,17 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import shutil
+import threading
 import time
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import safetensors
 from absl import logging
 
 import merging
@@ -61,10 +68,25 @@ SINGLE_MODEL = ('negation', 'extract')
 METHODS = DATA_FREE + SINGLE_MODEL
 # The methods that take per-model weights (and `normalize`), as mergekit's do.
 WEIGHTED = ('task_arithmetic', 'ties', 'dare')
-_LEAF = 'tensor'  # the name of the one leaf a tensor's jitted merge sees
-# DARE draws each tensor's masks from a key folded with the tensor's name: jitted, it would
-# compile a program per tensor (2.4× slower end to end on the benchmark's fixture), so it runs
-# op by op under the tensor's own name, in the streamed merge and in the in-memory reference.
+_LEAF = 'tensor'  # the name of the one leaf a block's jitted merge sees
+# Entries per block: a block of each of the N + 1 inputs (1 MB each in float32) stays in the
+# processor's cache from its read to its write.
+_BLOCK = 1 << 18
+# Tensors prepared (TIES' and Breadcrumbs' rankings), two at a time, ahead of the one being
+# merged, so that the ranking threads keep busy through a run of small tensors.
+_PREPARED_AHEAD, _PREPARING = 3, 2
+# A tensor of _SAMPLED entries or more is ranked in one pass over its blocks, bracketed by a
+# sample of _CLUSTERS clusters of _CLUSTER contiguous entries (a positioned read each), so that
+# a thread never holds more than _SAMPLED magnitudes; a smaller one is ranked whole, each model
+# in a thread of its own, which is faster on the benchmark's fixture (1.8 s against 1.9 s).
+_SAMPLED = 1 << 24
+_CLUSTERS, _CLUSTER = 64, 1024
+# The methods whose masks rank each tensor's magnitudes as a whole before its blocks merge.
+_RANKED = ('ties', 'breadcrumbs')
+# DARE draws each tensor's masks over its whole shape from a key folded with its name, so it
+# merges a tensor whole, not in blocks; jitted, that would compile a program per tensor (2.4×
+# slower end to end on the benchmark's fixture), so it runs op by op under the tensor's own
+# name, in the streamed merge and in the in-memory reference.
 _OP_BY_OP = ('dare',)
 _OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
                   'float16': np.dtype(np.float16)}
@@ -84,11 +106,15 @@ class Plan:
   allow_nonfinite: bool = False
   weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
   dtype: str | None = None  # of the merged floating tensors; default the base's
-  # Tensors read and merged ahead, each in a thread, while one is written: more is faster up
-  # to the cores there are, and holds that many more tensors' inputs in memory.
+  # Blocks read and merged ahead, each in a thread, while one is written: more is faster up
+  # to the cores there are.
   prefetch: int = 2
 
-  def __hash__(self):  # a static argument of the jitted per-tensor merge
+  def __hash__(self):  # a static argument of the jitted per-block merge
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:  # once: the merge hashes the plan at every block
     return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
                       for v in dataclasses.astuple(self)))
 
@@ -99,9 +125,9 @@ class Plan:
         raise UserError(f'{self.method} reads data ({", ".join(reads.reads)}); checkpoint '
                         f'merging runs only the data-free methods {METHODS}')
       raise UserError(f'unknown checkpoint merge method {self.method!r}; known: {METHODS}')
-    if self.global_ties and self.allow_nonfinite:
-      raise UserError("ties with scope='global' ranks finite magnitudes only; it cannot "
-                      'allow non-finite inputs')
+    if self.allow_nonfinite and (self.method in _RANKED or self.global_ties):
+      raise UserError(f'{self.method} ranks magnitudes, and a NaN has no rank; it cannot allow '
+                      'non-finite inputs')
     if self.shard_bytes < 1:
       raise UserError(f'shard_bytes = {self.shard_bytes}: must be positive')
     if self.prefetch < 1:
@@ -142,68 +168,91 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
                       f'{"..." if len(missing) > 5 else ""}, extra {extra[:5]}'
                       f'{"..." if len(extra) > 5 else ""}')
   shards = _shards(base_ckpt, names, plan)
-  labels = tuple(f'model_{i}' for i in range(len(models)))
-  key = jax.random.PRNGKey(plan.seed)
-  # Before anything is written: the counting passes read every tensor.
-  rankings = ([_GlobalRanking(base_ckpt, ckpt, names, _setting(plan, 'density'),
-                              _ranked(plan, label, key))
-               for ckpt, label in zip(ckpts, labels)] if plan.global_ties else None)
-  mesh = sharding.make_mesh()
   partial = output.rstrip('/') + '.partial'
   os.makedirs(partial, exist_ok=True)
   start, done_bytes, total_bytes = time.time(), 0, sum(s['bytes'] for s in shards)
   done_tensors = 0
-  for shard in shards:
-    path = os.path.join(partial, shard['file'])
-    if not os.path.exists(path):
-      merged = _ahead(lambda name: _merge_tensor(name, base_ckpt, ckpts, models, labels, key,
-                                                 plan, mesh, rankings), shard['names'],
-                      plan.prefetch)
-      with contextlib.closing(merged):
-        checkpoint.write_safetensors(path, shard['entries'], lambda name: next(merged)[name],
-                                     metadata={'format': 'pt'})
-    done_bytes += shard['bytes']
-    done_tensors += len(shard['names'])
-    rate = done_bytes / max(time.time() - start, 1e-9)
-    logging.info('%s: %d/%d tensors, %.0f tensors/s, %.1f MB/s, eta %.0f s', shard['file'],
-                 done_tensors, len(names), done_tensors / max(time.time() - start, 1e-9),
-                 rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
+  with _pool(len(ckpts)) as ranking:
+    tensors = _TensorMerge(base_ckpt, ckpts, models, plan, ranking)
+    for shard in shards:
+      path = os.path.join(partial, shard['file'])
+      if not os.path.exists(path):
+        write_streamed(path, shard['entries'], tensors.prepare, tensors.block, plan.prefetch)
+      done_bytes += shard['bytes']
+      done_tensors += len(shard['names'])
+      rate = done_bytes / max(time.time() - start, 1e-9)
+      logging.info('%s: %d/%d tensors, %.0f tensors/s, %.1f MB/s, eta %.0f s', shard['file'],
+                   done_tensors, len(names), done_tensors / max(time.time() - start, 1e-9),
+                   rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
   _finish(base, partial, output, shards)
   return {'output': output, 'tensors': len(names), 'shards': len(shards),
           'bytes': total_bytes, 'seconds': time.time() - start}
 
 
-def _ahead(produce: Callable[[str], np.ndarray], names: Iterable[str],
-           depth: int) -> Iterator[dict[str, np.ndarray]]:
-  """{name: produce(name)} for each name in order, the next `depth` produced in threads of
-  their own while the caller writes the current one: writes, reads, host rankings and XLA
-  programs overlap (numpy, file reads and XLA release the GIL), at the memory of `depth` more
-  tensors."""
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth)
+def blocks(size: int) -> list[tuple[int, int]]:
+  """The blocks [start, stop) of a tensor of `size` entries, each merged by one program call:
+  (N + 1) inputs of a block stay in the processor's cache while they are read, merged and
+  written."""
+  return [(b, min(size, b + _BLOCK)) for b in range(0, size, _BLOCK)]
+
+
+def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
+                   prepare: Callable[[str], Any], block: Callable[[Any, int, int], np.ndarray],
+                   depth: int) -> None:
+  """The safetensors file `path` of `entries`, each tensor written a block at a time: a
+  tensor's prepare(name) runs in a thread while the tensor before it is merged, and its
+  block(prepared, start, stop) calls (1-D arrays of the entry's dtype) run `depth` ahead in
+  threads while the caller writes the current one. File reads, numpy and XLA release the GIL,
+  so reads, merges and writes overlap; in memory are the blocks in flight and what prepare
+  keeps of two tensors."""
+  sizes = {name: math.prod(shape) for name, shape, _ in entries}
+  with _pool(_PREPARING) as preparing, _pool(depth) as merging:
+    prepared = _ahead(prepare, list(sizes), _PREPARED_AHEAD, preparing)
+
+    def chunks(name: str) -> Iterator[np.ndarray]:
+      state = next(prepared)
+      yield from _ahead(lambda span: block(state, *span), blocks(sizes[name]), depth, merging)
+
+    checkpoint.write_safetensors(path, entries, chunks, metadata={'format': 'pt'})
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+  """Threads that live as long as the block (the merge's read buffers are theirs); after an
+  error or an interrupt, the work not yet started is dropped, not run."""
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
   try:
-    pending = collections.deque()
-    for name in names:
-      pending.append((name, pool.submit(produce, name)))
-      if len(pending) > depth:
-        done, future = pending.popleft()
-        yield {done: future.result()}
-    while pending:
-      done, future = pending.popleft()
-      yield {done: future.result()}
+    yield pool
   finally:
-    # After an error or an interrupt, the merges not yet started are dropped, not run.
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ahead(produce: Callable[[Any], Any], items: Sequence, depth: int,
+           pool: concurrent.futures.Executor) -> Iterator:
+  """produce(item) for each item in order, the next `depth` produced in `pool` while the
+  caller uses the current one."""
+  pending = collections.deque()
+  try:
+    for item in items:
+      pending.append(pool.submit(produce, item))
+      if len(pending) > depth:
+        yield pending.popleft().result()
+    while pending:
+      yield pending.popleft().result()
+  finally:
+    for future in pending:
+      future.cancel()
 
 
 def _shards(base: hf.Checkpoint, names: list[str], plan: Plan) -> list[dict]:
   """Consecutive names grouped into shards of at most plan.shard_bytes of output."""
   shards: list[dict] = []
   for name in names:
-    shape, dtype = _header(base, name)
+    shape, dtype = base.header(name)
     # τ is written in float32; merged weights in the plan's dtype, else the base's.
     if jnp.issubdtype(dtype, jnp.floating):
       dtype = _output_dtype(plan, dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if not shards or (shards[-1]['bytes'] + nbytes > plan.shard_bytes and shards[-1]['names']):
       shards.append({'names': [], 'entries': [], 'bytes': 0})
     shards[-1]['names'].append(name)
@@ -222,16 +271,6 @@ def _output_dtype(plan: Plan, base_dtype: np.dtype) -> np.dtype:
   return _OUTPUT_DTYPES[plan.dtype] if plan.dtype else np.dtype(base_dtype)
 
 
-def _header(ckpt: hf.Checkpoint, name: str) -> tuple[tuple[int, ...], np.dtype]:
-  """A tensor's shape and numpy dtype, from the file's header alone."""
-  with safetensors.safe_open(ckpt.files[name], framework='numpy') as f:
-    sliced = f.get_slice(name)
-    code = sliced.get_dtype()
-    if code not in checkpoint.DTYPES:
-      raise UserError(f'{ckpt.files[name]}: {name} has dtype {code}, which is not merged here')
-    return tuple(sliced.get_shape()), checkpoint.DTYPES[code]
-
-
 def _ranked(plan: Plan, label: str, key: jax.Array) -> Callable:
   """ranked(name, τ): what TIES ranks of one model's tensor, τ itself, or after DARE its
   dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
@@ -245,12 +284,12 @@ def _ranked(plan: Plan, label: str, key: jax.Array) -> Callable:
 
 class _GlobalRanking:
   """One model's exact top-k of |τ| over all its floating tensors, found by counting, so that
-  each tensor's mask is computed alone and equals the in-memory global ranking's.
+  each tensor's cut is computed alone and keeps what the in-memory global ranking keeps.
 
   |τ| is non-negative float32, so its bit patterns, read as uint32, order as its values. A
   pass counts the top 16 bits of every entry, which finds the 2^16-wide bucket holding the
   kept-th largest value; a second pass counts the low bits inside that bucket, which finds
-  the value v itself, and records per tensor how many entries equal v. A tensor's mask is then
+  the value v itself, and records per tensor how many entries equal v. A tensor keeps
   |τ| > v, plus the entries equal to v while the running count of them, in tensor order then
   row-major, stays within what the top-k has left: ties go to the earlier entry, as
   `editing.tree.top_k` breaks them.
@@ -258,10 +297,8 @@ class _GlobalRanking:
 
   def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
                density: float, ranked: Callable[[str, np.ndarray], np.ndarray]):
-    if not 0 < density <= 1:
-      raise UserError(f'density must be in (0, 1], got {density}')
     self.names = [n for n in names if _is_floating(base, n)]
-    self._ranked = ranked
+    self.ranked = ranked
     delta = lambda name: _host_delta(tuned.tensor(name), base.tensor(name))
     high = np.zeros(1 << 16, np.int64)
     total = 0
@@ -269,7 +306,7 @@ class _GlobalRanking:
       bits = self._bits(name, delta(name))
       high += np.bincount(bits >> 16, minlength=1 << 16)
       total += bits.size
-    self.kept = max(1, int(density * total))
+    self.kept = ops.largest_count(density)(total)
     from_top = np.cumsum(high[::-1])
     bucket = (1 << 16) - 1 - int(np.searchsorted(from_top, self.kept))
     above_bucket = int(high[bucket + 1:].sum())
@@ -288,67 +325,210 @@ class _GlobalRanking:
     self.ties_before = dict(zip(self.names, np.cumsum([0] + ties[:-1]).tolist()))
 
   def _bits(self, name: str, delta) -> np.ndarray:
-    return np.abs(self._ranked(name, delta)).ravel().view(np.uint32)
+    return np.abs(self.ranked(name, delta)).ravel().view(np.uint32)
 
-  def mask(self, name: str, delta) -> np.ndarray:
-    """The kept entries of the tensor `name`, whose τ is `delta`."""
-    bits = self._bits(name, delta)
-    ties = bits == self.value
+  def cut(self, name: str, magnitudes: np.ndarray) -> tree_lib.Cut:
+    """What the ranking keeps of the tensor `name`, whose ranked magnitudes (|τ|, or DARE's
+    |τ̃|) are `magnitudes`, flat."""
+    bits = magnitudes.view(np.uint32)
     allowed = self.kept - self.above - self.ties_before[name]
-    keep = (bits > self.value) | (ties & (np.cumsum(ties) <= allowed))
-    return keep.reshape(np.shape(delta))
+    ties = np.flatnonzero(bits == self.value)[:max(allowed, 0)]
+    return tree_lib.Cut(self.value.view(np.float32).item(), int(ties[-1]) if ties.size else -1)
 
 
 def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
-  return bool(jnp.issubdtype(_header(ckpt, name)[1], jnp.floating))
+  return bool(jnp.issubdtype(ckpt.header(name)[1], jnp.floating))
 
 
-def _merge_tensor(name, base_ckpt, ckpts, models, labels, key, plan, mesh,
-                  rankings=None) -> np.ndarray:
-  base = base_ckpt.tensor(name)
-  thetas = [c.tensor(name) for c in ckpts]
-  for path, theta in zip(models, thetas):
-    if theta.shape != base.shape or theta.dtype != base.dtype:
-      raise UserError(f'{path}: {name} is {theta.dtype}{list(theta.shape)}, the base '
-                      f'{base.dtype}{list(base.shape)}')
-  if not jnp.issubdtype(base.dtype, jnp.floating):
-    return base  # integer buffers (position ids, masks) are not weights, and always finite
-  placed = _split(mesh, base.shape)
-  if plan.method in _OP_BY_OP:
-    _check_finite(plan, name, [base_ckpt.path] + list(models),
+class _TensorMerge:
+  """How each tensor is merged: `prepare` checks a tensor's inputs and does what needs the
+  whole tensor (the cuts of its ranked masks; DARE's merge), and `block` merges and writes out
+  a block of it with one call of the jitted `_edit_block`."""
+
+  def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
+               paths: Sequence[str], plan: Plan, ranking: concurrent.futures.Executor):
+    self.base, self.tuned, self.plan, self.ranking = base, list(tuned), plan, ranking
+    self.paths = [base.path] + list(paths)
+    self.labels = tuple(f'model_{i}' for i in range(len(tuned)))
+    self.key = jax.random.PRNGKey(plan.seed)
+    self.mesh = sharding.make_mesh()
+    # Before anything is written: the counting passes read every tensor.
+    self.rankings = ([_GlobalRanking(base, ckpt, sorted(base.files), _setting(plan, 'density'),
+                                     _ranked(plan, label, self.key))
+                      for ckpt, label in zip(self.tuned, self.labels)]
+                     if plan.global_ties else None)
+
+  def prepare(self, name: str) -> dict:
+    shape, dtype = self.base.header(name)
+    for path, ckpt in zip(self.paths[1:], self.tuned):
+      theirs = ckpt.header(name)
+      if theirs != (shape, dtype):
+        raise UserError(f'{path}: {name} is {theirs[1]}{list(theirs[0])}, the base '
+                        f'{dtype}{list(shape)}')
+    size = math.prod(shape)
+    state = {'name': name, 'dtype': dtype}
+    if not jnp.issubdtype(dtype, jnp.floating):
+      state['copy'] = True  # integer buffers (position ids, masks) are not weights
+    elif self.plan.method in _OP_BY_OP:
+      state['merged'] = self._merge_whole(name, shape)
+    elif self.plan.method in _RANKED:
+      state['cuts'] = self._ranked_cuts(name, size)
+    return state
+
+  def _magnitudes(self, name: str, size: int, model: int) -> np.ndarray:
+    """|τ| of one model's tensor, flat, in float32 (the values the merge's masks compare), in
+    an array of this thread's that the next call overwrites."""
+    # Grown to the largest tensor: a new array per tensor would be faulted in page by page,
+    # and faults in parallel threads wait on each other.
+    if getattr(_buffers, 'magnitudes', np.empty(0)).size < size:
+      _buffers.magnitudes = np.empty(size, np.float32)
+    out = _buffers.magnitudes[:size]
+    _, dtype = self.base.header(name)
+    for start, stop in blocks(size):
+      theta, theta0 = read_block([self.tuned[model], self.base], name, start, stop,
+                                 stop - start, dtype)
+      np.abs(_host_delta(theta, theta0, out=out[start:stop]), out=out[start:stop])
+    return out
+
+  def _ranked_cuts(self, name: str, size: int) -> list[tuple[tree_lib.Cut, ...]]:
+    """Each model's cuts of its ranked masks of the tensor: TIES keeps the largest (as the
+    global ranking says, with scope 'global'); Breadcrumbs the not-smallest but the largest.
+    A large tensor is ranked by one pass over its blocks; what that pass cannot place (and
+    every smaller tensor) is ranked whole, each model in a thread of its own (numpy releases
+    the GIL)."""
+    if self.rankings is not None:
+      return list(self.ranking.map(
+          lambda i: (self.rankings[i].cut(name, self._magnitudes(name, size, i)),),
+          range(len(self.tuned))))
+    if self.plan.method == 'ties':
+      counts = (ops.largest_count(_setting(self.plan, 'density')),)
+    else:
+      counts = ops.band_counts(_setting(self.plan, 'top'), _setting(self.plan, 'bottom'))
+    kept = [count(size) for count in counts]
+    found = [[None] * len(kept) for _ in self.tuned]
+    if size >= _SAMPLED and all(0 < k < size for k in kept):
+      found = self._bracketed_cuts(name, size, kept)
+
+    def fill(model: int) -> tuple[tree_lib.Cut, ...]:
+      if None not in found[model]:
+        return tuple(found[model])
+      magnitudes = self._magnitudes(name, size, model)
+      return tuple(c or tree_lib.largest_cut(magnitudes, k) for c, k in zip(found[model], kept))
+
+    return list(self.ranking.map(fill, range(len(self.tuned))))
+
+  def _bracketed_cuts(self, name: str, size: int, kept: Sequence[int]) -> list[list]:
+    """Each model's cut of each kept count, from one pass over the tensor's blocks (None where
+    it cannot tell): a sample (clusters of contiguous entries, a positioned read each)
+    brackets each kept-th largest |τ|, one jitted program per block says which entries lie
+    above, inside and below the brackets, and the selection runs among those inside
+    (`editing.tree.Bracketed`). A NaN is placed below every bracket, which is wrong, but a
+    NaN in an input stops the merge at its block (a ranked method cannot allow them)."""
+    _, dtype = self.base.header(name)
+    ckpts = [self.base] + self.tuned
+    step = size // _CLUSTERS
+    samples = np.empty((len(self.tuned), _CLUSTERS, _CLUSTER), np.float32)
+    for c in range(_CLUSTERS):
+      base, *thetas = read_block(ckpts, name, c * step, c * step + _CLUSTER, _CLUSTER, dtype)
+      for i, theta in enumerate(thetas):
+        np.abs(_host_delta(theta, base), out=samples[i, c])
+    bounds = np.array([[tree_lib.bracket(sample, size, k) for k in kept] for sample in samples],
+                      np.float32)
+    spans = blocks(size)
+    halves = [spans[:len(spans) // 2], spans[len(spans) // 2:]]
+    # The two halves of the pass in threads of their own, then joined in order.
+    first, second = self.ranking.map(lambda half: self._bracket_pass(name, half, bounds), halves)
+    return [[a.join(b).cut(k) for a, b, k in zip(ones, others, kept)]
+            for ones, others in zip(first, second)]
+
+  def _bracket_pass(self, name: str, spans: Sequence[tuple[int, int]],
+                    bounds: np.ndarray) -> list[list[tree_lib.Bracketed]]:
+    """What the blocks `spans` of the tensor hold of each model's brackets."""
+    _, dtype = self.base.header(name)
+    counted = [[tree_lib.Bracketed(0, [], []) for _ in row] for row in bounds]
+    for start, stop in spans:
+      buffers = read_block([self.base] + self.tuned, name, start, stop, _BLOCK, dtype)
+      codes = np.asarray(_bracket_block(buffers[0], buffers[1:], bounds))[:, :, :stop - start]
+      for i, model_counted in enumerate(counted):
+        for j, code in enumerate(codes[i]):
+          where = np.flatnonzero(code == 1)
+          inside = np.abs(_host_delta(buffers[i + 1][where], buffers[0][where]))
+          model_counted[j] = model_counted[j].extend(np.count_nonzero(code == 2), where + start,
+                                                     inside)
+    return counted
+
+  def _merge_whole(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor merged whole, op by op under its own name (DARE), flat, as written."""
+    base = self.base.tensor(name)
+    thetas = [c.tensor(name) for c in self.tuned]
+    _check_finite(self.plan, name, self.paths,
                   [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
+    placed = _split(self.mesh, shape)
     theta0 = {name: jax.device_put(base, placed)}
-    vectors = _task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas], labels)
-    keep = (None if rankings is None else
-            [{name: r.mask(name, v.delta[name])} for r, v in zip(rankings, vectors)])
-    edited = _edit(plan, theta0, vectors, key, keep)[name]
-    return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
-  edited, finite = _jitted_edit(plan, jax.device_put(base, placed),
-                                [jax.device_put(t, placed) for t in thetas],
-                                _masks(plan, name, base, thetas, rankings))
-  _check_finite(plan, name, [base_ckpt.path] + list(models), np.asarray(finite))
-  # Cast here, from the dtype as stored: JAX without x64 would see float64 as float32.
-  return np.asarray(edited).astype(_output_dtype(plan, base.dtype), copy=False)
+    vectors = _task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas],
+                            self.labels)
+    keep = None
+    if self.rankings is not None:
+      keep = []
+      for ranking, vector in zip(self.rankings, vectors):
+        ranked = np.abs(ranking.ranked(name, vector.delta[name])).ravel()
+        keep.append({name: tree_lib.cut_mask(ranked, ranking.cut(name, ranked)).reshape(shape)})
+    edited = _edit(self.plan, theta0, vectors, self.key, keep)[name]
+    return np.asarray(edited).astype(_output_dtype(self.plan, base.dtype), copy=False).ravel()
+
+  def block(self, state: dict, start: int, stop: int) -> np.ndarray:
+    name = state['name']
+    if 'copy' in state:
+      return self.base.read(name, start, stop)
+    if 'merged' in state:
+      return state['merged'][start:stop]
+    buffers = read_block([self.base] + self.tuned, name, start, stop, _BLOCK, state['dtype'])
+    if not self.plan.allow_nonfinite:
+      _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+    cuts = None
+    if 'cuts' in state:
+      cuts = [tuple(tree_lib.Cut(np.float32(c.threshold),
+                                 np.int32(min(max(c.last - start, -1), _BLOCK)))
+                    for c in model_cuts) for model_cuts in state['cuts']]
+    # On one CPU device the program reads the aligned buffers in place; np.asarray waits for
+    # it, after which this thread may read into them again.
+    inputs = (jax.device_put(buffers, _split(self.mesh, (_BLOCK,))) if self.mesh.size > 1
+              else buffers)
+    edited = np.asarray(_edit_block(self.plan, inputs[0], inputs[1:], cuts))
+    if any(np.may_share_memory(edited, b) for b in buffers):
+      edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
+    # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32.
+    return edited[:stop - start].astype(_output_dtype(self.plan, state['dtype']), copy=False)
 
 
-def _masks(plan, name, base, thetas, rankings) -> list | None:
-  """The masks a method ranks for each fine-tuned model's tensor, ranked here on the host
-  (numpy's selection; a sort inside the jitted merge is far slower on a CPU): TIES' top-k
-  (per tensor, or from the global rankings), Breadcrumbs' band; None for the other methods."""
-  if plan.method not in ('ties', 'breadcrumbs'):
-    return None
-  deltas = [_host_delta(t, base) for t in thetas]
-  if rankings is not None:
-    return [{_LEAF: r.mask(name, d)} for r, d in zip(rankings, deltas)]
-  if plan.method == 'breadcrumbs':
-    return [ops.keep_band({_LEAF: d}, _setting(plan, 'top'), _setting(plan, 'bottom'))
-            for d in deltas]
-  return [ops.keep_largest({_LEAF: d}, _setting(plan, 'density'), 'tensor') for d in deltas]
+_buffers = threading.local()
 
 
-def _host_delta(theta: np.ndarray, base: np.ndarray) -> np.ndarray:
-  """τ = θ − θ0 in float32 on the host, the values the host rankings read."""
-  return theta.astype(np.float32, copy=False) - base.astype(np.float32, copy=False)
+def read_block(ckpts: Sequence[hf.Checkpoint], name: str, start: int, stop: int, width: int,
+               dtype: np.dtype) -> list[np.ndarray]:
+  """Entries [start, stop) of the tensor `name` of each checkpoint, zero-padded to `width`, in
+  buffers of this thread's that the next call reads into again: they stay in the processor's
+  cache, and are aligned to 64 bytes, which JAX's CPU client takes without a copy."""
+  buffers = getattr(_buffers, 'reads', [])
+  if len(buffers) < len(ckpts) or buffers[0].dtype != dtype or buffers[0].size < width:
+    _buffers.reads = buffers = [_aligned(max(width, _BLOCK), dtype) for _ in ckpts]
+  for ckpt, buffer in zip(ckpts, buffers):
+    ckpt.read(name, start, stop, out=buffer)
+    buffer[stop - start:width] = 0
+  return [b[:width] for b in buffers[:len(ckpts)]]
+
+
+def _aligned(size: int, dtype: np.dtype) -> np.ndarray:
+  raw = np.empty(size * dtype.itemsize + 64, np.uint8)
+  offset = -raw.ctypes.data % 64
+  return raw[offset:offset + size * dtype.itemsize].view(dtype)
+
+
+def _host_delta(theta: np.ndarray, base: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+  """τ = θ − θ0 in float32 on the host (into `out`, if given), the values the host rankings
+  read."""
+  return np.subtract(theta.astype(np.float32, copy=False), base.astype(np.float32, copy=False),
+                     out=out)
 
 
 def _setting(plan: Plan, key: str):
@@ -368,19 +548,33 @@ def _check_finite(plan: Plan, name: str, paths: Sequence[str], finite: Sequence[
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _jitted_edit(plan: Plan, base: jax.Array, thetas: list, keep: list | None):
-  """One tensor's edit as one XLA program, compiled once per shape and dtype (the tensor is the
-  one leaf `_LEAF`, whatever its name): what `_edit` makes of it, and whether each input is
-  finite."""
+def _edit_block(plan: Plan, base: jax.Array, thetas: list, cuts: list | None) -> jax.Array:
+  """One block's edit as one XLA program, compiled once per dtype (the block
+  is the one leaf `_LEAF`, whatever its tensor): what `_edit` makes of it, the masks a method
+  ranks drawn from their cuts (relative to the block)."""
   vectors = _task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
-  edited = _edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
-  finite = jnp.stack([jnp.isfinite(x).all() for x in [base] + list(thetas)])
-  return edited, finite
+  keep = None
+  if cuts is not None:
+    keep = []
+    for vector, model_cuts in zip(vectors, cuts):
+      masks = [tree_lib.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
+      keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
+  return _edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
+
+
+@jax.jit
+def _bracket_block(base: jax.Array, thetas: list, bounds: jax.Array) -> jax.Array:
+  """Per model and bracket (bounds[model, bracket] = lower, upper), each entry of a block: 0
+  where |τ| lies below the bracket, 1 inside it, 2 above it (int8)."""
+  magnitudes = jnp.stack([jnp.abs(jnp.asarray(t, jnp.float32) - jnp.asarray(base, jnp.float32))
+                          for t in thetas])[:, None, :]
+  lower, upper = bounds[:, :, :1], bounds[:, :, 1:]
+  return (magnitudes >= lower).astype(jnp.int8) + (magnitudes > upper).astype(jnp.int8)
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
-  """A tensor's placement: its first dimension that the device count divides is split over all
+  """An array's placement: its first dimension that the device count divides is split over all
   devices (every method is elementwise or ranks on the host, so the bits do not change), or
   it is replicated."""
   for d, size in enumerate(shape):
@@ -399,7 +593,7 @@ def _task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) ->
 
 def _edit(plan: Plan, theta0: dict, vectors: list, key: jax.Array, keep=None) -> dict:
   """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
-  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, TIES' masks ranked beforehand."""
+  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, the masks ranked beforehand."""
   if plan.method == 'extract':
     return dict(vectors[0].delta)
   if plan.method == 'negation':

@@ -66,9 +66,10 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
     _check_keys(entry.get('parameters') or {}, ('weight', 'density'), path,
                 f'models[{i}].parameters.')
     models.append(str(entry['model']))
-    weights.append(float(parameters.get('weight', 1.0)))
+    where = f'models[{i}].parameters.'
+    weights.append(_number(parameters.get('weight', 1.0), path, where + 'weight'))
     if 'density' in parameters:
-      densities.add(float(parameters['density']))
+      densities.add(_number(parameters['density'], path, where + 'density'))
   if not models:
     raise UserError(f'{path}: models lists no model other than the base')
   if len(densities) > 1:
@@ -90,11 +91,19 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
     settings['normalize'] = bool(defaults['normalize'])
   out.base, out.models, out.method = str(base), ','.join(models), ours
   out.weights = ','.join(repr(w) for w in weights)
-  out.scale = float(defaults.get('lambda', 1.0))
+  out.scale = _number(defaults.get('lambda', 1.0), path, 'parameters.lambda')
   out.dtype = str(doc.get('dtype') or '')
   section = out[ours].to_dict() if ours in out else {}
   out[ours] = ml_collections.ConfigDict({**section, **settings})
   return out
+
+
+def _number(value, path: str, key: str) -> float:
+  """A parameter's one value; mergekit's per-layer lists (gradients) are not merged here."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise UserError(f'{path}: {key} = {value!r} must be a number (per-layer values, mergekit\'s '
+                    'gradients, are not supported here)')
+  return float(value)
 
 
 def _check_keys(mapping, known, path: str, prefix: str) -> None:
