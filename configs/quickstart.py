@@ -71,7 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Fine-tuning one task on its frozen head, in every regime listed (comma-separated) of
   # full, attention_only, linearized, talos (editing/regimes/).
-  config.finetune = training(steps=100, learning_rate=3e-4, weight_decay=0.1, warmup_steps=10)
+  config.finetune = training(steps=100, learning_rate=1e-4, weight_decay=0.1, warmup_steps=10)
   config.regimes = 'full'
 
   # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk

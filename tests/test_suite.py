@@ -1,5 +1,6 @@
 """The offline suite: determinism, disjoint splits, label ranges, stateless batch order."""
 
+import colorsys
 import hashlib
 
 import numpy as np
@@ -49,6 +50,23 @@ def test_splits_share_no_image(name):
     for image in getattr(task, split).images:
       key = image.tobytes()
       assert seen.setdefault(key, split) == split, f'an image of {split} is also in {seen[key]}'
+
+
+def test_each_downstream_task_is_a_domain_of_its_own():
+  """Every image's border (the median of its edge pixels) has the hue of its own task's
+  backgrounds, nearer to it than to any other task's; the colour task's is grey."""
+  looks = {name: look for name, look in suite.LOOKS.items() if name != 'texture'}
+  for name in suite.DOWNSTREAM_TASKS:
+    images = suite.load_task(name, seed=1, **SMALL).test.images.astype(np.float32) / 255
+    edges = np.concatenate([images[:, 0], images[:, -1], images[:, :, 0], images[:, :, -1]], 1)
+    hsv = np.array([colorsys.rgb_to_hsv(*rgb) for rgb in np.median(edges, axis=1)])
+    if name == 'colour':
+      assert hsv[:, 1].max() < 0.05
+    elif name != 'texture':  # its patterns mix its two hues up to the edge
+      distance = {other: np.abs((hsv[:, 0] - look.background + 0.5) % 1 - 0.5)
+                  for other, look in looks.items()}
+      nearest = np.array(list(distance))[np.argmin(np.stack(list(distance.values())), 0)]
+      assert (nearest == name).all(), (name, sorted(set(nearest)))
 
 
 def test_unknown_task_is_named_in_the_error():

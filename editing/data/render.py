@@ -64,25 +64,40 @@ def texture(rng: np.random.Generator, kind: str, contrast: float = 0.25) -> np.n
   """A background of one of `TEXTURES`, two muted colours at a random period and phase."""
   base = rng.uniform(0.15, 0.6, size=3).astype(np.float32)
   other = np.clip(base + rng.choice([-1, 1]) * contrast * rng.uniform(0.7, 1.3, size=3), 0, 1)
+  return blend(pattern(rng, kind), base, other)
+
+
+def pattern(rng: np.random.Generator, kind: str) -> np.ndarray:
+  """A (SIZE, SIZE) float mask of one of `TEXTURES` at a random period and phase."""
   period = rng.uniform(4.0, 8.0)
   phase = rng.uniform(0, period)
   if kind == 'flat':
-    pattern = np.zeros((SIZE, SIZE), np.float32)
+    mask = np.zeros((SIZE, SIZE), np.float32)
   elif kind == 'stripes_h':
-    pattern = ((_Y + phase) % period) < period / 2
+    mask = ((_Y + phase) % period) < period / 2
   elif kind == 'stripes_v':
-    pattern = ((_X + phase) % period) < period / 2
+    mask = ((_X + phase) % period) < period / 2
   elif kind == 'stripes_diag':
-    pattern = ((_X + _Y + phase) % period) < period / 2
+    mask = ((_X + _Y + phase) % period) < period / 2
   elif kind == 'checker':
-    pattern = (((_X + phase) // (period / 2)) + ((_Y + phase) // (period / 2))) % 2 == 0
+    mask = (((_X + phase) // (period / 2)) + ((_Y + phase) // (period / 2))) % 2 == 0
   elif kind == 'dots':
     cx, cy = (_X + phase) % period - period / 2, (_Y + phase) % period - period / 2
-    pattern = cx**2 + cy**2 < (period / 4) ** 2
+    mask = cx**2 + cy**2 < (period / 4) ** 2
   else:
     raise UserError(f'unknown texture {kind!r}; known: {TEXTURES}')
-  pattern = np.asarray(pattern, np.float32)[..., None]
-  return base * (1 - pattern) + other * pattern
+  return np.asarray(mask, np.float32)
+
+
+def blend(mask: np.ndarray, base: np.ndarray, other: np.ndarray) -> np.ndarray:
+  """An image of colour `base`, with `other` where `mask` is set."""
+  return base * (1 - mask[..., None]) + other * mask[..., None]
+
+
+def flat(rng: np.random.Generator, hue: float) -> np.ndarray:
+  """A flat, muted background of the given hue (in [0, 1)) at a random saturation and value."""
+  rgb = colorsys.hsv_to_rgb(hue % 1.0, rng.uniform(0.3, 0.6), rng.uniform(0.25, 0.55))
+  return np.broadcast_to(np.array(rgb, np.float32), (SIZE, SIZE, 3)).copy()
 
 
 def shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float = 0.0) -> np.ndarray:

@@ -1,21 +1,35 @@
-"""The built-in offline suite: a pretraining corpus and eight downstream tasks, made from a seed.
+"""The built-in offline suite: a negation control and eight downstream tasks, made from a seed.
 
-All tasks are 32x32 RGB classification problems drawn from one family of procedural scenes
-(`render`), each with its own label function, in the spirit of the 8-task CLIP benchmark:
+All tasks are 32x32 RGB classification problems of procedural scenes (`render`), in the
+spirit of the 8-task CLIP benchmark:
 
 =============  =======  =====================================================================
 task           classes  label
 =============  =======  =====================================================================
-shapes         8        which shape is drawn (the pretraining task, and the negation control)
+shapes         8        which shape is drawn, on any background (the negation control)
 digits         10       a real handwritten digit (scikit-learn's bundled 8x8 digits, 4x larger)
 letters        10       which of ten 5x7 bitmap capital letters is drawn
-count          6        how many small objects (1-6) there are
+count          6        how many small disks (1-6) there are
 orientation    8        the angle of a long bar, in steps of 22.5 degrees
-texture        6        the background pattern, under a distractor shape
-position       9        the cell of a 3x3 grid that holds the object's centre
-size           4        the object's radius bucket
-colour         8        the object's hue, on a grey background
+texture        6        the pattern that fills the frame
+position       9        the cell of a 3x3 grid that holds a square's centre
+size           4        a ring's radius bucket
+colour         8        a triangle's hue, on a grey background
 =============  =======  =====================================================================
+
+Each downstream task is a domain of its own, as each dataset of the CLIP benchmark is: its own
+`Look` (flat backgrounds of one hue, objects of another; the texture task's patterns in its
+two hues), and one kind of object that varies only in its label attribute (the size task's
+rings stay near the centre, the position task's squares keep one size, no object but the
+orientation task's bar is turned). So no task's label is another's nuisance: fine-tuning on
+one task does not teach invariance to what another reads, and a task vector changes the
+features of its own domain more than of the others'. Task arithmetic rests on that (the weight
+disentanglement of Ortiz-Jimenez et al. comes with task vectors localised to their tasks'
+inputs): tasks that all shared one family of scenes, each reading an attribute the others
+vary (a texture under a random shape, the hue of a random shape, ...), kept about two thirds
+of their fine-tuned accuracy under addition; on these domains they keep about four fifths.
+The control task, shapes, keeps the broad scenes (any background, hue, size, place and angle),
+as ImageNet is the CLIP benchmark's control.
 
 Splits follow the task-arithmetic protocol: validation is a fixed 10% (at most 5,000) of the
 training pool, test is drawn from its own stream. Nothing is downloaded.
@@ -96,70 +110,85 @@ def _shapes(rng, label):
   return render.paint(_background(rng), mask, render.random_color(rng))
 
 
+@dataclasses.dataclass(frozen=True)
+class Look:
+  """A downstream task's own domain: the hue of its flat backgrounds and of its objects."""
+
+  background: float
+  objects: float
+
+  def backdrop(self, rng) -> np.ndarray:
+    return render.flat(rng, self.background)
+
+  def ink(self, rng) -> np.ndarray:
+    return render.random_color(rng, self.objects + rng.uniform(-0.03, 0.03))
+
+
+# Task i's backgrounds at hue (i + ½)/8 and its objects at hue i/8 + 0.55: eight looks, none
+# another's.
+LOOKS = {name: Look((i + 0.5) / 8, (i / 8 + 0.55) % 1.0)
+         for i, name in enumerate(DOWNSTREAM_TASKS)}
+
+
+def _centre(rng) -> tuple[float, float]:
+  return tuple(render.SIZE / 2 + rng.uniform(-2, 2, size=2))
+
+
 def _letters(rng, label):
-  letter = sorted(render.GLYPHS)[label]
-  scale = int(rng.integers(2, 4))
-  x0 = int(rng.integers(0, render.SIZE - 5 * scale + 1))
-  y0 = int(rng.integers(0, render.SIZE - 7 * scale + 1))
-  return render.paint(_background(rng), render.glyph_mask(letter, x0, y0, scale),
-                      render.random_color(rng))
+  look = LOOKS['letters']
+  x0, y0 = (render.SIZE - 15) // 2 + rng.integers(-2, 3, size=2)
+  mask = render.glyph_mask(sorted(render.GLYPHS)[label], int(x0), int(y0), scale=3)
+  return render.paint(look.backdrop(rng), mask, look.ink(rng))
 
 
 def _count(rng, label):
-  image = _background(rng)
+  look = LOOKS['count']
+  image = look.backdrop(rng)
   centres: list[tuple[float, float]] = []
   while len(centres) < label + 1:
     centre = _position(rng, 3.5)
     if all((centre[0] - x) ** 2 + (centre[1] - y) ** 2 > 8.5**2 for x, y in centres):
       centres.append(centre)
-      shape = render.SHAPES[rng.integers(len(render.SHAPES))]
-      image = render.paint(image, render.shape_mask(shape, *centre, rng.uniform(2.5, 3.5),
-                                                    rng.uniform(0, 2 * math.pi)),
-                           render.random_color(rng))
+      image = render.paint(image, render.shape_mask('disk', *centre, 3.0), look.ink(rng))
   return image
 
 
 def _orientation(rng, label):
+  look = LOOKS['orientation']
   angle = label * math.pi / 8 + rng.uniform(-0.08, 0.08)
   centre = render.SIZE / 2 + rng.uniform(-4, 4, size=2)
   mask = render.shape_mask('bar', *centre, rng.uniform(9, 12), angle)
-  return render.paint(_background(rng), mask, render.random_color(rng))
+  return render.paint(look.backdrop(rng), mask, look.ink(rng))
 
 
 def _texture(rng, label):
-  image = render.texture(rng, render.TEXTURES[label], contrast=0.3)
-  radius = rng.uniform(3, 7)
-  shape = render.SHAPES[rng.integers(len(render.SHAPES))]
-  mask = render.shape_mask(shape, *_position(rng, radius), radius, rng.uniform(0, 2 * math.pi))
-  return render.paint(image, mask, render.random_color(rng))
+  look = LOOKS['texture']
+  return render.blend(render.pattern(rng, render.TEXTURES[label]),
+                      render.flat(rng, look.background), render.flat(rng, look.objects))
 
 
 def _position_task(rng, label):
+  look = LOOKS['position']
   cell = render.SIZE / 3
   row, col = divmod(label, 3)
-  radius = rng.uniform(4, 6)
   cx = (col + rng.uniform(0.15, 0.85)) * cell
   cy = (row + rng.uniform(0.15, 0.85)) * cell
-  shape = render.SHAPES[rng.integers(len(render.SHAPES))]
-  mask = render.shape_mask(shape, cx, cy, radius, rng.uniform(0, 2 * math.pi))
-  return render.paint(_background(rng), mask, render.random_color(rng))
+  return render.paint(look.backdrop(rng), render.shape_mask('square', cx, cy, 4.5), look.ink(rng))
 
 
 _SIZE_BUCKETS = ((2.5, 4.0), (4.75, 6.25), (7.0, 8.5), (9.25, 11.0))
 
 
 def _size(rng, label):
-  radius = rng.uniform(*_SIZE_BUCKETS[label])
-  shape = render.SHAPES[rng.integers(len(render.SHAPES))]
-  mask = render.shape_mask(shape, *_position(rng, radius), radius, rng.uniform(0, 2 * math.pi))
-  return render.paint(_background(rng), mask, render.random_color(rng))
+  look = LOOKS['size']
+  mask = render.shape_mask('ring', *_centre(rng), rng.uniform(*_SIZE_BUCKETS[label]))
+  return render.paint(look.backdrop(rng), mask, look.ink(rng))
 
 
 def _colour(rng, label):
-  background = _background(rng).mean(axis=-1, keepdims=True).repeat(3, axis=-1)
-  radius = rng.uniform(4, 9)
-  shape = render.SHAPES[rng.integers(len(render.SHAPES))]
-  mask = render.shape_mask(shape, *_position(rng, radius), radius, rng.uniform(0, 2 * math.pi))
+  # The one task whose objects' hue varies: it is the label. Its backgrounds are grey.
+  background = np.full((render.SIZE, render.SIZE, 3), rng.uniform(0.3, 0.6), np.float32)
+  mask = render.shape_mask('triangle', *_centre(rng), 6.0)
   hue = label / 8 + rng.uniform(-0.02, 0.02)
   return render.paint(background, mask, render.random_color(rng, hue))
 
@@ -189,9 +218,10 @@ def _synthesize(name: str, n: int, rng: np.random.Generator) -> Dataset:
 
 
 def _digit_scene(rng, digit: np.ndarray) -> np.ndarray:
-  """An 8x8 scikit-learn digit (ink 0..16) blown up 4x to fill the frame, in a random colour."""
+  """An 8x8 scikit-learn digit (ink 0..16) blown up 4x to fill the frame, in its task's look."""
+  look = LOOKS['digits']
   ink = np.kron(digit / 16.0, np.ones((4, 4))).astype(np.float32)
-  return render.add_noise(rng, render.paint(_background(rng), ink, render.random_color(rng)))
+  return render.add_noise(rng, render.paint(look.backdrop(rng), ink, look.ink(rng)))
 
 
 def _digits(seed: int) -> tuple[Dataset, Dataset]:
