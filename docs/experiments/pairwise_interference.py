@@ -1,6 +1,6 @@
 """Which task vectors interfere: on a finished quickstart workdir (full fine-tuning), the test
 accuracy of each task t under θ0 + α(τ_t + τ_s) for every other task s, beside θ0 + α·τ_t alone,
-at the α task addition chose (0.4 on suite seed 0).
+at the α task addition chose (0.55 on suite seed 0).
 
   python docs/experiments/pairwise_interference.py workdir/quickstart [alpha] [suite_seed]
 
@@ -17,7 +17,7 @@ from editing.data import suite
 from editing.jobs import experiment
 
 
-def main(workdir: str, alpha: float = 0.4, seed: int = 0) -> dict:
+def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
   config = quickstart_config.get_config(None)
   config.suite.seed = seed
   theta0, apply_fn = experiment.load_pretrained(workdir)
