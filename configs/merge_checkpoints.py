@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.allow_nonfinite = False
   config.weights = ''  # per model, comma-separated, in the order of config.models
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
-  config.prefetch = 2  # tensors merged ahead in threads: faster, by their memory each
+  config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
   # The methods' settings (merging/<method>.py); TIES ranks each tensor on its own here.
   # `normalize` divides by the (agreeing) weights, mergekit's default for each method.

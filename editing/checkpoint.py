@@ -136,12 +136,12 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
-                      produce: Callable[[str], np.ndarray | Iterable[np.ndarray]],
+                      produce: Callable[[str], Iterable[np.ndarray]],
                       metadata: dict | None = None) -> None:
   """A safetensors file whose tensors are made by produce(name), in `entries`' order, each
-  written as it comes, so the file is never whole in memory: produce returns the tensor, or its
-  entries in row-major order as consecutive 1-D chunks. The header comes from the entries
-  (name, shape, dtype). Written to a temporary name and renamed."""
+  written as it comes, so the file is never whole in memory: produce yields a tensor's entries
+  in row-major order as consecutive chunks. The header comes from the entries (name, shape,
+  dtype). Written to a temporary name and renamed."""
   header, offset = {}, 0
   for name, shape, dtype in entries:
     size = math.prod(shape) * np.dtype(dtype).itemsize
@@ -155,11 +155,8 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple[int, ...], np.dt
   with atomic_file(path) as f:
     f.write(len(blob).to_bytes(8, 'little') + blob)
     for name, shape, dtype in entries:
-      made = produce(name)
-      if isinstance(made, np.ndarray) and made.shape != tuple(shape):
-        raise ValueError(f'{name}: made {made.dtype}{made.shape}, planned {dtype}{shape}')
       written = 0
-      for chunk in [made] if isinstance(made, np.ndarray) else made:
+      for chunk in produce(name):
         chunk = np.ascontiguousarray(chunk)
         if chunk.dtype != np.dtype(dtype):
           raise ValueError(f'{name}: made {chunk.dtype}, planned {dtype}')

@@ -188,8 +188,9 @@ def largest_cut(values: np.ndarray, kept: int) -> Cut:
   whatever the sample says: when the bounds miss (or NaNs are present), every entry is ranked.
   """
   n = values.size
-  if kept <= 0 or kept >= n:
-    return Cut(math.inf, -1) if kept <= 0 else Cut(-math.inf, n - 1)
+  fixed = fixed_cut(n, kept)
+  if fixed is not None:
+    return fixed
   if n >= 1 << 20:
     lower, upper = bracket(values[::_prime_at_least(n >> 16)][:, None], n, kept)
     counted = Bracketed(0, [], [])
@@ -204,12 +205,27 @@ def largest_cut(values: np.ndarray, kept: int) -> Cut:
       if found is not None:
         return found
   threshold = np.partition(values, n - kept)[n - kept]
-  room = kept - np.count_nonzero(values > threshold)
-  ties = np.flatnonzero(values == threshold)[:room]
-  return Cut(threshold.item(), int(ties[-1]) if ties.size else -1)
+  return cut_at(threshold.item(), values == threshold, kept - np.count_nonzero(values > threshold))
 
 
 _CHUNK = 1 << 18
+
+
+def fixed_cut(n: int, kept: int) -> Cut | None:
+  """The cut of the `kept` largest of n entries where it keeps none or all of them, whatever
+  their values; None where it depends on them."""
+  if kept <= 0:
+    return Cut(math.inf, -1)
+  if kept >= n:
+    return Cut(-math.inf, n - 1)
+  return None
+
+
+def cut_at(threshold: float, equal: np.ndarray, room: int) -> Cut:
+  """The cut keeping the entries above `threshold` and the first `room` of those equal to it
+  (`equal`, their mask in order)."""
+  ties = np.flatnonzero(equal)[:max(room, 0)]
+  return Cut(threshold, int(ties[-1]) if ties.size else -1)
 
 
 def bracket(sample: np.ndarray, n: int, kept: int) -> tuple[float, float]:
@@ -267,9 +283,10 @@ class Bracketed(NamedTuple):
       return None
     rank = inside.size - (kept - self.above)
     threshold = np.partition(inside, rank)[rank]
-    room = kept - self.above - np.count_nonzero(inside > threshold)
-    where = np.concatenate(self.where)
-    return Cut(threshold.item(), int(where[np.flatnonzero(inside == threshold)[room - 1]]))
+    # The kept-th largest is inside, so at least one entry equal to it is kept.
+    cut = cut_at(threshold.item(), inside == threshold,
+                 kept - self.above - np.count_nonzero(inside > threshold))
+    return Cut(cut.threshold, int(np.concatenate(self.where)[cut.last]))
 
 
 def _prime_at_least(k: int) -> int:

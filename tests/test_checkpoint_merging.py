@@ -125,6 +125,36 @@ def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path
   assert any(c is not None for c in found), 'no tensor was ranked by its brackets'
 
 
+def test_a_count_keeping_none_or_all_reads_no_magnitude(tmp_path, monkeypatch):
+  """Breadcrumbs dropping none of the smallest brackets only its top count; TIES keeping
+  everything ranks nothing: the same bits as the in-memory merge either way."""
+  monkeypatch.setattr(checkpoints, '_BLOCK', 64)
+  monkeypatch.setattr(checkpoints, '_SAMPLED', 256)
+  monkeypatch.setattr(checkpoints, '_CLUSTERS', 8)
+  monkeypatch.setattr(checkpoints, '_CLUSTER', 8)
+  bracketed = []
+  original = tree_lib.Bracketed.cut
+  monkeypatch.setattr(tree_lib.Bracketed, 'cut',
+                      lambda self, kept: bracketed.append(original(self, kept)) or bracketed[-1])
+  base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
+  breadcrumbs = checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.0})
+  checkpoints.merge(base, models, str(tmp_path / 'breadcrumbs'), breadcrumbs)
+  streamed = checkpoints.read_output(str(tmp_path / 'breadcrumbs'))
+  for n, x in checkpoints.in_memory(base, models, breadcrumbs).items():
+    np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
+  assert any(c is not None for c in bracketed), 'no tensor was ranked by its brackets'
+
+  def unread(*args):
+    raise AssertionError('magnitudes read for a count that keeps every entry')
+
+  monkeypatch.setattr(checkpoints._TensorMerge, '_magnitudes', unread)
+  everything = checkpoints.Plan('ties', {'density': 1.0, 'scope': 'tensor'})
+  checkpoints.merge(base, models, str(tmp_path / 'ties'), everything)
+  streamed = checkpoints.read_output(str(tmp_path / 'ties'))
+  for n, x in checkpoints.in_memory(base, models, everything).items():
+    np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
+
+
 def test_task_arithmetic_and_ties_follow_mergekits_conventions(tmp_path):
   base, models = fixture(str(tmp_path))
   theta0 = checkpoints.read_output(base)
@@ -364,6 +394,8 @@ dtype: bfloat16
     ('merge_method: ties\nmodels: [{model: a}]', 'base_model is required'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {weight: [0, 1]}}]',
      r'models\[0\].parameters.weight = \[0, 1\] must be a number'),
+    ('merge_method: ties\nbase_model: b\nparameters: {density: [0.2, 0.5]}\n'
+     'models: [{model: a}]', r': parameters.density = \[0.2, 0.5\] must be a number'),
 ])
 def test_unsupported_mergekit_keys_are_named(tmp_path, text, message):
   config = merge_checkpoints_config.get_config()

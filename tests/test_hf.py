@@ -90,6 +90,17 @@ def test_bf16_weights_are_read_as_stored_and_cast(tmp_path):
   assert config['dtype'] == 'float32'
 
 
+def test_a_range_read_stays_inside_its_tensor_and_its_buffer(tmp_path):
+  hf.save(str(tmp_path), {'a': np.arange(6, dtype=np.float32), 'b': np.ones(4, np.float32)},
+          {'model_type': 'test'}, shard_bytes=2**20)
+  ckpt = hf.Checkpoint(str(tmp_path))
+  np.testing.assert_array_equal(ckpt.read('a', 2, 5), [2, 3, 4])
+  with pytest.raises(ValueError, match=r'a: entries \[4, 8\) of a tensor of 6'):
+    ckpt.read('a', 4, 8)  # would run into b's bytes
+  with pytest.raises(ValueError, match=r'a: read into float16\[3\], not float32\[3\]'):
+    ckpt.read('a', 0, 3, out=np.empty(3, np.float16))
+
+
 def tensor_digests(directory):
   ckpt = hf.Checkpoint(str(directory))
   return {n: hashlib.sha256(np.ascontiguousarray(ckpt.tensor(n)).tobytes()).hexdigest()

@@ -89,7 +89,7 @@ def test_batch_indices_are_a_pure_function_of_the_step():
 
 
 def test_shapes_are_distinct_under_rotation():
-  # No two shapes of the pretraining task may coincide at some rotation, or its labels are noise.
+  # No two shapes of the control task may coincide at some rotation, or its labels are noise.
   masks = {s: [render.shape_mask(s, 16, 16, 8, a) for a in np.linspace(0, 2 * np.pi, 24)]
            for s in render.SHAPES}
   for i, a in enumerate(render.SHAPES):

@@ -64,7 +64,7 @@ def texture(rng: np.random.Generator, kind: str, contrast: float = 0.25) -> np.n
   """A background of one of `TEXTURES`, two muted colours at a random period and phase."""
   base = rng.uniform(0.15, 0.6, size=3).astype(np.float32)
   other = np.clip(base + rng.choice([-1, 1]) * contrast * rng.uniform(0.7, 1.3, size=3), 0, 1)
-  return blend(pattern(rng, kind), base, other)
+  return paint(base, pattern(rng, kind), other)
 
 
 def pattern(rng: np.random.Generator, kind: str) -> np.ndarray:
@@ -87,11 +87,6 @@ def pattern(rng: np.random.Generator, kind: str) -> np.ndarray:
   else:
     raise UserError(f'unknown texture {kind!r}; known: {TEXTURES}')
   return np.asarray(mask, np.float32)
-
-
-def blend(mask: np.ndarray, base: np.ndarray, other: np.ndarray) -> np.ndarray:
-  """An image of colour `base`, with `other` where `mask` is set."""
-  return base * (1 - mask[..., None]) + other * mask[..., None]
 
 
 def flat(rng: np.random.Generator, hue: float) -> np.ndarray:
@@ -143,7 +138,7 @@ def glyph_mask(letter: str, x0: int, y0: int, scale: int) -> np.ndarray:
 
 
 def paint(image: np.ndarray, mask: np.ndarray, color: np.ndarray) -> np.ndarray:
-  """`image` with `color` laid over where `mask` is set."""
+  """`image` with `color` (an RGB colour, or an image) laid over where `mask` is set."""
   return image * (1 - mask[..., None]) + color * mask[..., None]
 
 

@@ -124,8 +124,9 @@ class Look:
     return render.random_color(rng, self.objects + rng.uniform(-0.03, 0.03))
 
 
-# Task i's backgrounds at hue (i + ½)/8 and its objects at hue i/8 + 0.55: eight looks, none
-# another's.
+# Task i's backgrounds at hue (i + ½)/8 and its objects at hue i/8 + 0.55: no two tasks share
+# a look, though task i's objects take about the hue of task i + 4's backgrounds (brighter and
+# more saturated). The colour task draws its hues from its labels, on grey, not from its look.
 LOOKS = {name: Look((i + 0.5) / 8, (i / 8 + 0.55) % 1.0)
          for i, name in enumerate(DOWNSTREAM_TASKS)}
 
@@ -163,8 +164,8 @@ def _orientation(rng, label):
 
 def _texture(rng, label):
   look = LOOKS['texture']
-  return render.blend(render.pattern(rng, render.TEXTURES[label]),
-                      render.flat(rng, look.background), render.flat(rng, look.objects))
+  mask = render.pattern(rng, render.TEXTURES[label])
+  return render.paint(render.flat(rng, look.background), mask, render.flat(rng, look.objects))
 
 
 def _position_task(rng, label):

@@ -1,11 +1,11 @@
 """Hugging Face checkpoints in and out: config.json plus safetensors, single or sharded.
 
 Reading is lazy, a tensor (`Checkpoint.tensor`) or a range of its entries (`Checkpoint.read`)
-at a time, from `model.safetensors` or the shards that `model.safetensors.index.json` names; pickled weights (.bin, .pt, .pth, .ckpt) are
-refused unread, with how to convert them. Importing checks every name at once: the error lists
-each tensor the model needs and the file lacks, each tensor of the model's part of the file that
-nothing reads, and each shape that differs. Tensors are read in the dtype they are stored in
-and cast to `config.model.dtype`.
+at a time, from `model.safetensors` or the shards that `model.safetensors.index.json` names;
+pickled weights (.bin, .pt, .pth, .ckpt) are refused unread, with how to convert them.
+Importing checks every name at once: the error lists each tensor the model needs and the file
+lacks, each tensor of the model's part of the file that nothing reads, and each shape that
+differs. Tensors are read in the dtype they are stored in and cast to `config.model.dtype`.
 
 Writing puts config.json and safetensors shards of at most `shard_bytes` (with the index when
 there are several) into a temporary directory beside the target, then renames it into place:
@@ -131,11 +131,15 @@ class Checkpoint:
     again stays in the processor's cache.
     """
     file = self.files[name]
-    _, dtype = self.header(name)
+    shape, dtype = self.header(name)
+    if not 0 <= start <= stop <= math.prod(shape):
+      raise ValueError(f'{name}: entries [{start}, {stop}) of a tensor of {math.prod(shape)}')
     begin = self._entry(name)['data_offsets'][0] + self._header(file)[1]
     count = stop - start
     if out is None:
       out = np.empty(count, dtype)
+    elif out.dtype != dtype or out.size < count:
+      raise ValueError(f'{name}: read into {out.dtype}[{out.size}], not {dtype}[{count}]')
     view = out[:count].view(np.uint8)
     fd = os.open(file, os.O_RDONLY)
     try:

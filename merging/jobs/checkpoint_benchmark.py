@@ -82,8 +82,7 @@ def measure(what: str, base: str, models: list[str], output: str) -> dict:
 
     # The merge's own reads, threads and writes, a numpy sum in place of the merge.
     checkpoints.write_streamed(os.path.join(output, hf.SINGLE), entries, lambda name: name,
-                               lambda name, start, stop: add(name, start, stop),
-                               checkpoints.Plan.prefetch)
+                               add, checkpoints.Plan.prefetch)
   else:
     settings = {'density': 0.2, 'scope': 'tensor'} if what == 'ties' else {}
     checkpoints.merge(base, models, output, checkpoints.Plan(what, settings))

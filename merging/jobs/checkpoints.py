@@ -75,10 +75,12 @@ _BLOCK = 1 << 18
 # Tensors prepared (TIES' and Breadcrumbs' rankings), two at a time, ahead of the one being
 # merged, so that the ranking threads keep busy through a run of small tensors.
 _PREPARED_AHEAD, _PREPARING = 3, 2
-# A tensor of _SAMPLED entries or more is ranked in one pass over its blocks, bracketed by a
-# sample of _CLUSTERS clusters of _CLUSTER contiguous entries (a positioned read each), so that
-# a thread never holds more than _SAMPLED magnitudes; a smaller one is ranked whole, each model
-# in a thread of its own, which is faster on the benchmark's fixture (1.8 s against 1.9 s).
+# A tensor of _SAMPLED entries or more is ranked per tensor in one pass over its blocks,
+# bracketed by a sample of _CLUSTERS clusters of _CLUSTER contiguous entries (a positioned read
+# each), so that ranking it holds a block of its magnitudes, not all (unless the bracket misses:
+# then it is ranked whole); a smaller one is ranked whole, each model in a thread of its own,
+# which is faster on the benchmark's fixture (1.8 s against 1.9 s). The global ranking's passes
+# (scope 'global') read each tensor whole.
 _SAMPLED = 1 << 24
 _CLUSTERS, _CLUSTER = 64, 1024
 # The methods whose masks rank each tensor's magnitudes as a whole before its blocks merge.
@@ -172,8 +174,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: Plan) -> dict:
   os.makedirs(partial, exist_ok=True)
   start, done_bytes, total_bytes = time.time(), 0, sum(s['bytes'] for s in shards)
   done_tensors = 0
-  with _pool(len(ckpts)) as ranking:
-    tensors = _TensorMerge(base_ckpt, ckpts, models, plan, ranking)
+  with _pool(len(ckpts)) as pool:
+    tensors = _TensorMerge(base_ckpt, ckpts, models, plan, pool)
     for shard in shards:
       path = os.path.join(partial, shard['file'])
       if not os.path.exists(path):
@@ -199,19 +201,20 @@ def blocks(size: int) -> list[tuple[int, int]]:
 def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
                    prepare: Callable[[str], Any], block: Callable[[Any, int, int], np.ndarray],
                    depth: int) -> None:
-  """The safetensors file `path` of `entries`, each tensor written a block at a time: a
-  tensor's prepare(name) runs in a thread while the tensor before it is merged, and its
-  block(prepared, start, stop) calls (1-D arrays of the entry's dtype) run `depth` ahead in
-  threads while the caller writes the current one. File reads, numpy and XLA release the GIL,
-  so reads, merges and writes overlap; in memory are the blocks in flight and what prepare
-  keeps of two tensors."""
+  """The safetensors file `path` of `entries`, each tensor written a block at a time: the
+  tensors' prepare(name) calls run in threads, _PREPARING at a time, up to _PREPARED_AHEAD
+  tensors ahead of the one being written, and a tensor's block(prepared, start, stop) calls
+  (1-D arrays of the entry's dtype) run `depth` ahead in threads while the caller writes the
+  current one. File reads, numpy and XLA release the GIL, so reads, merges and writes overlap;
+  in memory are the blocks in flight and what prepare keeps of _PREPARED_AHEAD + 1 tensors
+  (for DARE, each one merged whole)."""
   sizes = {name: math.prod(shape) for name, shape, _ in entries}
-  with _pool(_PREPARING) as preparing, _pool(depth) as merging:
+  with _pool(_PREPARING) as preparing, _pool(depth) as merges:
     prepared = _ahead(prepare, list(sizes), _PREPARED_AHEAD, preparing)
 
     def chunks(name: str) -> Iterator[np.ndarray]:
       state = next(prepared)
-      yield from _ahead(lambda span: block(state, *span), blocks(sizes[name]), depth, merging)
+      yield from _ahead(lambda span: block(state, *span), blocks(sizes[name]), depth, merges)
 
     checkpoint.write_safetensors(path, entries, chunks, metadata={'format': 'pt'})
 
@@ -330,10 +333,9 @@ class _GlobalRanking:
   def cut(self, name: str, magnitudes: np.ndarray) -> tree_lib.Cut:
     """What the ranking keeps of the tensor `name`, whose ranked magnitudes (|τ|, or DARE's
     |τ̃|) are `magnitudes`, flat."""
-    bits = magnitudes.view(np.uint32)
-    allowed = self.kept - self.above - self.ties_before[name]
-    ties = np.flatnonzero(bits == self.value)[:max(allowed, 0)]
-    return tree_lib.Cut(self.value.view(np.float32).item(), int(ties[-1]) if ties.size else -1)
+    return tree_lib.cut_at(self.value.view(np.float32).item(),
+                           magnitudes.view(np.uint32) == self.value,
+                           self.kept - self.above - self.ties_before[name])
 
 
 def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
@@ -342,12 +344,12 @@ def _is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
 
 class _TensorMerge:
   """How each tensor is merged: `prepare` checks a tensor's inputs and does what needs the
-  whole tensor (the cuts of its ranked masks; DARE's merge), and `block` merges and writes out
-  a block of it with one call of the jitted `_edit_block`."""
+  whole tensor (the cuts of its ranked masks; DARE's merge), and `block` merges a block of it
+  with one call of the jitted `_edit_block`; `pool` runs each model's ranking in a thread."""
 
   def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
-               paths: Sequence[str], plan: Plan, ranking: concurrent.futures.Executor):
-    self.base, self.tuned, self.plan, self.ranking = base, list(tuned), plan, ranking
+               paths: Sequence[str], plan: Plan, pool: concurrent.futures.Executor):
+    self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
     self.paths = [base.path] + list(paths)
     self.labels = tuple(f'model_{i}' for i in range(len(tuned)))
     self.key = jax.random.PRNGKey(plan.seed)
@@ -397,7 +399,7 @@ class _TensorMerge:
     every smaller tensor) is ranked whole, each model in a thread of its own (numpy releases
     the GIL)."""
     if self.rankings is not None:
-      return list(self.ranking.map(
+      return list(self.pool.map(
           lambda i: (self.rankings[i].cut(name, self._magnitudes(name, size, i)),),
           range(len(self.tuned))))
     if self.plan.method == 'ties':
@@ -405,9 +407,13 @@ class _TensorMerge:
     else:
       counts = ops.band_counts(_setting(self.plan, 'top'), _setting(self.plan, 'bottom'))
     kept = [count(size) for count in counts]
-    found = [[None] * len(kept) for _ in self.tuned]
-    if size >= _SAMPLED and all(0 < k < size for k in kept):
-      found = self._bracketed_cuts(name, size, kept)
+    # A count that keeps none or all of the entries reads none of them.
+    found = [[tree_lib.fixed_cut(size, k) for k in kept] for _ in self.tuned]
+    ranked = [j for j, cut in enumerate(found[0]) if cut is None]
+    if size >= _SAMPLED and ranked:
+      for row, cuts in zip(found, self._bracketed_cuts(name, size, [kept[j] for j in ranked])):
+        for j, cut in zip(ranked, cuts):
+          row[j] = cut
 
     def fill(model: int) -> tuple[tree_lib.Cut, ...]:
       if None not in found[model]:
@@ -415,7 +421,7 @@ class _TensorMerge:
       magnitudes = self._magnitudes(name, size, model)
       return tuple(c or tree_lib.largest_cut(magnitudes, k) for c, k in zip(found[model], kept))
 
-    return list(self.ranking.map(fill, range(len(self.tuned))))
+    return list(self.pool.map(fill, range(len(self.tuned))))
 
   def _bracketed_cuts(self, name: str, size: int, kept: Sequence[int]) -> list[list]:
     """Each model's cut of each kept count, from one pass over the tensor's blocks (None where
@@ -437,7 +443,7 @@ class _TensorMerge:
     spans = blocks(size)
     halves = [spans[:len(spans) // 2], spans[len(spans) // 2:]]
     # The two halves of the pass in threads of their own, then joined in order.
-    first, second = self.ranking.map(lambda half: self._bracket_pass(name, half, bounds), halves)
+    first, second = self.pool.map(lambda half: self._bracket_pass(name, half, bounds), halves)
     return [[a.join(b).cut(k) for a, b, k in zip(ones, others, kept)]
             for ones, others in zip(first, second)]
 
@@ -509,6 +515,8 @@ def read_block(ckpts: Sequence[hf.Checkpoint], name: str, start: int, stop: int,
   """Entries [start, stop) of the tensor `name` of each checkpoint, zero-padded to `width`, in
   buffers of this thread's that the next call reads into again: they stay in the processor's
   cache, and are aligned to 64 bytes, which JAX's CPU client takes without a copy."""
+  if width < stop - start:
+    raise ValueError(f'{name}: a block of {stop - start} entries does not fit in {width}')
   buffers = getattr(_buffers, 'reads', [])
   if len(buffers) < len(ckpts) or buffers[0].dtype != dtype or buffers[0].size < width:
     _buffers.reads = buffers = [_aligned(max(width, _BLOCK), dtype) for _ in ckpts]

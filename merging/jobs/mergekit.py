@@ -62,14 +62,15 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
     _check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
     if entry.get('model') == base:
       continue
-    parameters = {**defaults, **(entry.get('parameters') or {})}
-    _check_keys(entry.get('parameters') or {}, ('weight', 'density'), path,
-                f'models[{i}].parameters.')
-    models.append(str(entry['model']))
+    own = entry.get('parameters') or {}
     where = f'models[{i}].parameters.'
-    weights.append(_number(parameters.get('weight', 1.0), path, where + 'weight'))
+    _check_keys(own, ('weight', 'density'), path, where)
+    parameters = {**defaults, **own}
+    named = lambda key: (where if key in own else 'parameters.') + key  # where a value is set
+    models.append(str(entry['model']))
+    weights.append(_number(parameters.get('weight', 1.0), path, named('weight')))
     if 'density' in parameters:
-      densities.add(_number(parameters['density'], path, where + 'density'))
+      densities.add(_number(parameters['density'], path, named('density')))
   if not models:
     raise UserError(f'{path}: models lists no model other than the base')
   if len(densities) > 1:
