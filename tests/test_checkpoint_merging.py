@@ -102,12 +102,9 @@ def test_tensors_merged_in_many_blocks_equal_the_in_memory_merge(tmp_path, monke
     np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
 
 
-@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
-@pytest.mark.parametrize('name', ['ties', 'breadcrumbs'])
-def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path, monkeypatch,
-                                                                        name, dtype):
-  """Every tensor of 256 entries or more ranked by a sample's brackets and one pass over its
-  blocks (falling back to the full ranking where a bracket misses): the same masks."""
+def bracketed_small(monkeypatch) -> list:
+  """Blocks of 64 entries, and every tensor of 256 or more ranked by the brackets of 8 clusters
+  of 8; returns the list of what each bracketed pass found (None where a bracket missed)."""
   monkeypatch.setattr(checkpoints, '_BLOCK', 64)
   monkeypatch.setattr(checkpoints, '_SAMPLED', 256)
   monkeypatch.setattr(checkpoints, '_CLUSTERS', 8)
@@ -116,6 +113,16 @@ def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path
   original = tree_lib.Bracketed.cut
   monkeypatch.setattr(tree_lib.Bracketed, 'cut',
                       lambda self, kept: found.append(original(self, kept)) or found[-1])
+  return found
+
+
+@pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('name', ['ties', 'breadcrumbs'])
+def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path, monkeypatch,
+                                                                        name, dtype):
+  """Every tensor of 256 entries or more ranked by a sample's brackets and one pass over its
+  blocks (falling back to the full ranking where a bracket misses): the same masks."""
+  found = bracketed_small(monkeypatch)
   base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
   out = str(tmp_path / 'out')
   checkpoints.merge(base, models, out, PLANS[name])
@@ -128,14 +135,7 @@ def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path
 def test_a_count_keeping_none_or_all_reads_no_magnitude(tmp_path, monkeypatch):
   """Breadcrumbs dropping none of the smallest brackets only its top count; TIES keeping
   everything ranks nothing: the same bits as the in-memory merge either way."""
-  monkeypatch.setattr(checkpoints, '_BLOCK', 64)
-  monkeypatch.setattr(checkpoints, '_SAMPLED', 256)
-  monkeypatch.setattr(checkpoints, '_CLUSTERS', 8)
-  monkeypatch.setattr(checkpoints, '_CLUSTER', 8)
-  bracketed = []
-  original = tree_lib.Bracketed.cut
-  monkeypatch.setattr(tree_lib.Bracketed, 'cut',
-                      lambda self, kept: bracketed.append(original(self, kept)) or bracketed[-1])
+  bracketed = bracketed_small(monkeypatch)
   base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
   breadcrumbs = checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.0})
   checkpoints.merge(base, models, str(tmp_path / 'breadcrumbs'), breadcrumbs)
