@@ -17,15 +17,34 @@ from editing.data import suite
 from editing.jobs import experiment
 
 
-def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
+def load(workdir: str, seed: int):
+  """The config, θ0, encoder, full task vectors by task, and evaluator of a quickstart workdir."""
   config = quickstart_config.get_config(None)
   config.suite.seed = seed
   theta0, apply_fn = experiment.load_pretrained(workdir)
+  vectors = experiment.load_task_vectors(workdir, 'full', suite.DOWNSTREAM_TASKS, theta0)
+  return (config, theta0, apply_fn, dict(zip(suite.DOWNSTREAM_TASKS, vectors)),
+          experiment.evaluator(config, apply_fn, 'full'))
+
+
+def save(out: dict, name: str) -> dict:
+  """Writes `out` as `name`.json beside these scripts."""
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f'{name}.json'), 'w') as f:
+    json.dump(out, f, indent=1)
+  return out
+
+
+def run(main) -> None:
+  """main(workdir, [alpha], [suite_seed]) from the command line."""
+  main(sys.argv[1], *(float(sys.argv[2]),) if len(sys.argv) > 2 else (),
+       *(int(sys.argv[3]),) if len(sys.argv) > 3 else ())
+
+
+def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
+  config, theta0, apply_fn, vectors, evaluator = load(workdir, seed)
   tasks = list(suite.DOWNSTREAM_TASKS)
   data = {t: experiment.load_task(config, t) for t in tasks}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in tasks}
-  vectors = dict(zip(tasks, experiment.load_task_vectors(workdir, 'full', tasks, theta0)))
-  evaluator = experiment.evaluator(config, apply_fn, 'full')
   table = {}
   for t in tasks:
     table[t] = {}
@@ -33,13 +52,9 @@ def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
       params = evaluator.edit(theta0, vectors[t] if s == t else vectors[t] + vectors[s], alpha)
       table[t][s] = evaluator.accuracy(theta0, params, heads[t], data[t].test)
     print(f'{t:12}', ' '.join(f'{100 * table[t][s]:5.1f}' for s in tasks), flush=True)
-  out = {'workdir': workdir, 'alpha': alpha, 'suite_seed': seed, 'test_accuracy': table}
-  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                         'pairwise_interference.json'), 'w') as f:
-    json.dump(out, f, indent=1)
-  return out
+  return save({'workdir': workdir, 'alpha': alpha, 'suite_seed': seed, 'test_accuracy': table},
+              'pairwise_interference')
 
 
 if __name__ == '__main__':
-  main(sys.argv[1], *(float(sys.argv[2]),) if len(sys.argv) > 2 else (),
-       *(int(sys.argv[3]),) if len(sys.argv) > 3 else ())
+  run(main)
