@@ -30,10 +30,9 @@ TARGETS = ('count', 'digits', 'position')
 
 
 def _restricted(vector, names, keep):
-  """The vector with the leaves whose path names one of `names` kept (or zeroed, keep=False)."""
+  """The vector with the leaves under the top-level modules `names` kept (or zeroed, keep=False)."""
   def leaf(path, value):
-    inside = any(name in jax.tree_util.keystr(path) for name in names)
-    return value if inside == keep else jnp.zeros_like(value)
+    return value if (path[0].key in names) == keep else jnp.zeros_like(value)
   return vector.replace(delta=jax.tree_util.tree_map_with_path(leaf, vector.delta))
 
 
