@@ -5,11 +5,12 @@ one batch of the suite's images (`config.benchmark.task`, drawn from `config.ben
 TaLoS with its mask calibrated on that batch), or of random images of
 `config.benchmark.image_size` pixels for a model shaped like a real one (ViT-B/16 at 224), and
 compiles each, then times the regimes' steps interleaved (one step of each in turn), so that
-machine noise hits them alike. Memory is XLA's buffer assignment of the compiled step
-(arguments + outputs − donated aliases + temporaries), the same measure on CPU, GPU and TPU.
-Model FLOPs per step are XLA's cost analysis of the compiled step; MFU is those FLOPs per
-second over the devices' peak (`config.benchmark.peak_flops` per device, else the dense bf16
-peak of a known accelerator, else none). Prints a table and writes <workdir>/benchmark.json.
+machine noise hits them alike. Memory is XLA's buffer assignment of the compiled step on one
+device (arguments + outputs − donated aliases + temporaries), the same measure on CPU, GPU and
+TPU. Model FLOPs per step are XLA's cost analysis of the compiled step (one device's share)
+times the devices of the mesh; MFU is those FLOPs per second over the devices' peak
+(`config.benchmark.peak_flops` per device, else the dense bf16 peak of a known accelerator, else
+none). Prints a table and writes <workdir>/benchmark.json.
 """
 
 import os
@@ -44,6 +45,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   theta0 = module.init(key_init, images[:1])['params']
   head = jax.random.normal(key_head, (task.num_classes, config.model.embed_dim))
 
+  mesh = experiment.mesh(config)
+  devices = mesh.size
   prepared, placed, memory, flops = {}, {}, {}, {}
   for name in regimes.REGISTRY:
     regime = experiment.regime(config, name)
@@ -54,12 +57,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     p = train.prepare(config.finetune,
                       loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
                       params=theta0, trainable=regime.trainable(theta0),
-                      consts={'theta0': theta0, 'head': head}, mesh=experiment.mesh(config),
+                      consts={'theta0': theta0, 'head': head}, mesh=mesh,
                       sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
     placed[name] = jax.device_put((images, labels), p.batch_sharding)
     compiled = p.step.lower(p.state, p.inputs, *placed[name]).compile()
     memory[name] = _step_bytes(compiled.memory_analysis())
-    flops[name] = _flops(compiled.cost_analysis())
+    flops[name] = step_flops(compiled, devices)
     prepared[name] = p
 
   states = {name: p.state for name, p in prepared.items()}
@@ -72,7 +75,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       timings[name].append(time.perf_counter() - start)
 
   step_s = {name: float(np.median(t[1:])) for name, t in timings.items()}
-  devices = jax.device_count()
   peak = settings.peak_flops or peak_flops(jax.devices()[0].device_kind)
   result = {'params': tree_lib.num_params(theta0), 'batch_size': config.finetune.batch_size,
             'image_size': images.shape[1], 'devices': devices,
@@ -85,7 +87,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        'memory_ratio': memory[name] / memory['full'] if memory['full'] else None,
                        'flops_per_step': flops[name],
                        'flops_per_s': flops[name] / step_s[name],
-                       'mfu': flops[name] / step_s[name] / (peak * devices) if peak else None}
+                       'mfu': mfu(flops[name], step_s[name], peak, devices)}
                 for name in prepared}}
   print(_table(result))
   checkpoint.atomic_write_json(os.path.join(workdir, 'benchmark.json'), result)
@@ -105,11 +107,22 @@ def peak_flops(device_kind: str) -> float | None:
   return None
 
 
-def _flops(analysis) -> float:
-  """The FLOPs of a compiled program from XLA's cost analysis (a dict, or one per program)."""
+def step_flops(compiled: jax.stages.Compiled, devices: int) -> float:
+  """The FLOPs of one run of a compiled program on all its `devices`.
+
+  XLA's cost analysis counts the program one device runs (its partition of the SPMD program),
+  so the whole run is `devices` times that; work replicated across devices counts on each.
+  """
+  analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else {}
-  return float((analysis or {}).get('flops', 0.0))
+  return devices * float((analysis or {}).get('flops', 0.0))
+
+
+def mfu(flops: float, seconds: float, peak: float | None, devices: int) -> float | None:
+  """The share of `devices` devices' peak (`peak` FLOP/s each) that `flops` FLOPs in `seconds`
+  use; None without a peak."""
+  return flops / seconds / (peak * devices) if peak else None
 
 
 def _step_bytes(analysis) -> int:
