@@ -9,11 +9,18 @@ r"""Benchmarks, each measured as ratios in one run.
 """
 
 from configs import quickstart as quickstart_config
+from editing import registry
 from editing.jobs import benchmark
 from editing.jobs import cli
 from merging.jobs import checkpoint_benchmark
 
 JOBS = {'regimes': benchmark.run, 'merge_checkpoints': checkpoint_benchmark.run}
 
+
+def run(config, workdir: str):
+  """The benchmark `config.benchmark.job` names."""
+  return registry.lookup(JOBS, config.benchmark.job, 'benchmark job')(config, workdir)
+
+
 if __name__ == '__main__':
-  cli.run(lambda config, workdir: JOBS[config.benchmark.job](config, workdir), quickstart_config)
+  cli.run(run, quickstart_config)

@@ -58,3 +58,11 @@ def test_known_accelerators_have_their_bf16_peak():
   assert benchmark.peak_flops('NVIDIA H200') == 989e12
   assert benchmark.peak_flops('TPU v4') == 275e12
   assert benchmark.peak_flops('cpu') is None
+
+
+def test_an_unknown_benchmark_job_is_named_with_the_known_ones(tmp_path):
+  proc = run_python(['-m', 'launch.benchmark', '--config.benchmark.job=regime',
+                     f'--workdir={tmp_path}'], check=False)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      "unknown benchmark job 'regime'; known: ['merge_checkpoints', 'regimes']"), proc.stderr

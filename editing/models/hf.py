@@ -34,6 +34,7 @@ import safetensors
 from safetensors import numpy as safetensors_np
 
 from editing import checkpoint
+from editing import registry
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import bert
@@ -279,7 +280,7 @@ def clip_towers(path: str) -> tuple[str, str | None]:
 
 def load(path: str, family: str, dtype: str = 'float32') -> tuple[dict, dict]:
   """(params, config.model) of a `family` model in a Hugging Face directory or file."""
-  fam = FAMILIES[family]
+  fam = registry.lookup(FAMILIES, family, 'model family')
   ckpt = Checkpoint(path)
   model = dict(fam.model_config(ckpt), dtype=dtype)
   prefix = fam.prefix if any(n.startswith(fam.prefix) for n in ckpt.files) and fam.prefix else ''
@@ -316,7 +317,7 @@ def _our_shapes(fam: Family, model: dict) -> dict[str, tuple[int, ...]]:
 def export(directory: str, params: Any, model: dict, family: str, *,
            shard_bytes: int = 2 * 1024**3) -> None:
   """Writes params as a Hugging Face directory of `family` that transformers loads."""
-  fam = FAMILIES[family]
+  fam = registry.lookup(FAMILIES, family, 'model family')
   if fam.hf_config is None:
     raise UserError(f'{family} models are not written here; export the same params as '
                     f'{family.replace("open_clip_", "clip_")}, the Hugging Face layout')
