@@ -274,6 +274,13 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
 
   Returns:
     The full params tree after `config.steps` steps (frozen leaves are the inputs, untouched).
+
+  Raises:
+    FloatingPointError: a step's loss was not finite; the message names the first such step.
+      Losses are read from the device only at the steps that log (every `log_every`) or save
+      (a checkpoint, the last step), so that the steps between are dispatched without
+      waiting for the last; the error comes at the first of those after the step, before
+      anything is saved there.
   """
   state, inputs, step_jit, batch = prepare(
       config, loss_fn=loss_fn, params=params, trainable=trainable, consts=consts, mesh=mesh,
@@ -296,20 +303,25 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
   try:
     with _SigtermFlag() as sigterm, futures.ThreadPoolExecutor(1) as reader:
       upcoming = reader.submit(read, start) if start < config.steps else None
+      unchecked = []  # the losses of the steps since the last check, on the device
       for step in range(start, config.steps):
         images, labels = upcoming.result()
         if step + 1 < config.steps:
           upcoming = reader.submit(read, step + 1)
         state, metrics = step_jit(state, inputs, images, labels)
         done = step + 1
-        # Checked every step, before saving, so that no checkpoint ever holds a diverged state.
-        loss = float(metrics['loss'])
-        if not np.isfinite(loss):
-          raise FloatingPointError(f'non-finite loss {loss} at step {done} in {workdir}; '
-                                   'lower the learning rate or check the data')
-        mngr.save(done, args=checkpoint.ocp.args.StandardSave(state),
-                  force=done == config.steps or sigterm.raised)
-        if done % config.log_every == 0 or done == config.steps:
+        unchecked.append(metrics['loss'])
+        save = done == config.steps or sigterm.raised or mngr.should_save(done)
+        log = done % config.log_every == 0 or done == config.steps
+        # Losses are read from the device only where the loop waits for it anyway (a save, a
+        # log line), so the steps between are dispatched without waiting; before any save, so
+        # that no checkpoint ever holds a diverged state.
+        if save or log:
+          _check_finite(jax.device_get(unchecked), done, workdir)
+          unchecked = []
+        if save:
+          mngr.save(done, args=checkpoint.ocp.args.StandardSave(state), force=True)
+        if log:
           metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
           timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
           writer.write(done, metrics)
@@ -321,6 +333,14 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     mngr.close()
     writer.close()
   return tree_lib.unflatten(distributed.to_host({**state.params, **inputs.frozen}))
+
+
+def _check_finite(losses: list[np.ndarray], done: int, workdir: str) -> None:
+  """A FloatingPointError naming the first non-finite of the losses of the steps up to `done`."""
+  for step, loss in enumerate(losses, start=done - len(losses) + 1):
+    if not np.isfinite(loss):
+      raise FloatingPointError(f'non-finite loss {loss} at step {step} in {workdir}; '
+                               'lower the learning rate or check the data')
 
 
 def _logged_step(line: str) -> float:

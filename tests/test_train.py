@@ -142,6 +142,59 @@ def test_non_finite_loss_stops_the_run_with_the_step(tmp_path):
   assert latest_checkpoint(str(tmp_path)) == 0, 'a diverged state was checkpointed'
 
 
+def test_a_non_finite_loss_between_checks_stops_the_run_with_its_step(tmp_path):
+  params, data, loss_fn = tiny_problem()
+
+  def diverging(params, consts, images, labels, rng):
+    # Finite at the first step (b = 0), NaN once the first update has moved b.
+    loss, metrics = loss_fn(params, consts, images, labels, rng)
+    return loss + jnp.where(params['b'][0] == 0, 0.0, jnp.nan), metrics
+
+  # Steps 2 and 3 are neither logged nor saved: their losses are read at step 4.
+  config = quickstart.training(steps=6, batch_size=16, warmup_steps=0, checkpoint_every=4,
+                               log_every=4)
+  with pytest.raises(FloatingPointError, match='non-finite loss nan at step 2 '):
+    train.train(config, loss_fn=diverging, params=params,
+                trainable={p: True for p in tree_lib.flatten(params)}, consts={}, data=data,
+                workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+  assert latest_checkpoint(str(tmp_path)) == 1, 'a diverged state was checkpointed'
+
+
+def test_steps_between_logs_and_saves_are_dispatched_before_the_last_one_finished(
+    tmp_path, monkeypatch):
+  params, data, loss_fn = tiny_problem()
+
+  def slow_loss(params, consts, images, labels, rng):
+    # Tens of milliseconds of device work a step, far longer than the loop's own.
+    busy = jax.lax.fori_loop(0, 40, lambda i, b: jnp.tanh(b @ b), jnp.full((256, 256), 0.01))
+    loss, metrics = loss_fn(params, consts, images, labels, rng)
+    return loss + 1e-9 * busy.mean(), metrics
+
+  ready = []  # at each step's dispatch, whether the previous step had finished
+
+  def prepare(*args, **kwargs):
+    prepared = original(*args, **kwargs)
+    losses = []
+
+    def step(*step_args):
+      if losses:
+        ready.append(losses[-1].is_ready())
+      state, metrics = prepared.step(*step_args)
+      losses.append(metrics['loss'])
+      return state, metrics
+
+    return prepared._replace(step=step)
+
+  original = train.prepare
+  monkeypatch.setattr(train, 'prepare', prepare)
+  # Orbax saves the first step of a fresh run, then nothing is read until step 8.
+  config = quickstart.training(steps=8, batch_size=16, checkpoint_every=8, log_every=8)
+  train.train(config, loss_fn=slow_loss, params=params,
+              trainable={'w': True, 'b': True, 'frozen/v': False}, consts={}, data=data,
+              workdir=str(tmp_path), mesh=sharding.make_mesh(1))
+  assert len(ready) == 7 and not all(ready), ready
+
+
 def test_nothing_trainable_is_an_error(tmp_path):
   params, data, loss_fn = tiny_problem()
   config = quickstart.training(steps=1, batch_size=16)
