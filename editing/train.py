@@ -85,21 +85,38 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
                                             max(config.steps, warmup + 1))
 
 
-class _SigtermFlag:
-  """Notes a SIGTERM so the loop can checkpoint before it exits (a preemption notice)."""
+class _Preemption:
+  """Whether to checkpoint and stop after a step: a SIGTERM (a preemption notice) to any
+  process, answered alike on every process.
 
-  def __init__(self):
-    self.raised = False
+  The save is collective, so the processes must agree on the step. With one process a SIGTERM
+  handler notes the notice. With several, JAX's preemption sync manager, started with
+  `jax.distributed` (its own SIGTERM handler, left in place), passes one process's notice to
+  all and picks a step every process can still reach (orbax's `reached_preemption`, as in
+  MaxText); it must be asked at every step. It is off if `jax_enable_preemption_service` is,
+  and then a SIGTERM ends the process unsaved.
+  """
+
+  def __init__(self, mngr):
+    self._mngr = mngr
+    self._alone = jax.process_count() == 1
+    self._raised = False
     self._previous = None
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    if self._alone and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._handle)
     return self
 
   def _handle(self, signum, frame):
     del signum, frame
-    self.raised = True
+    self._raised = True
+
+  def reached(self, step: int) -> bool:
+    """Whether to save `step` and stop; call it once per step, on every process."""
+    if self._alone:
+      return self._raised
+    return self._mngr.reached_preemption(step)
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -276,6 +293,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     The full params tree after `config.steps` steps (frozen leaves are the inputs, untouched).
 
   Raises:
+    Preempted: a SIGTERM reached any process; every process saved the same step first.
     FloatingPointError: a step's loss was not finite; the message names the first such step.
       Losses are read from the device only at the steps that log (every `log_every`) or save
       (a checkpoint, the last step), so that the steps between are dispatched without
@@ -301,7 +319,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
   read = lambda step: distributed.global_batch(
       data.batch, batch_indices(len(data), config.batch_size, step, config.seed), batch)
   try:
-    with _SigtermFlag() as sigterm, futures.ThreadPoolExecutor(1) as reader:
+    with _Preemption(mngr) as preemption, futures.ThreadPoolExecutor(1) as reader:
       upcoming = reader.submit(read, start) if start < config.steps else None
       unchecked = []  # the losses of the steps since the last check, on the device
       for step in range(start, config.steps):
@@ -311,7 +329,8 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
         state, metrics = step_jit(state, inputs, images, labels)
         done = step + 1
         unchecked.append(metrics['loss'])
-        save = done == config.steps or sigterm.raised or mngr.should_save(done)
+        preempted = preemption.reached(done)
+        save = done == config.steps or preempted or mngr.should_save(done)
         log = done % config.log_every == 0 or done == config.steps
         # Losses are read from the device only where the loop waits for it anyway (a save, a
         # log line), so the steps between are dispatched without waiting; before any save, so
@@ -325,7 +344,7 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
           metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
           timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
           writer.write(done, metrics)
-        if sigterm.raised:
+        if preempted:
           mngr.wait_until_finished()
           raise Preempted(f'SIGTERM: saved step {done} in {workdir}; rerun to resume')
   finally:

@@ -2,7 +2,9 @@
 the non-finite loss stop."""
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,6 +76,21 @@ def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime
   assert logged == list(range(1, steps + 1)), 'resumed metrics repeat or skip steps'
 
 
+def started(workdir) -> bool:
+  """Whether the run in `workdir` has logged a step: its SIGTERM handling is in place then
+  (the metrics file itself is opened before)."""
+  metrics = workdir / 'metrics.jsonl'
+  return metrics.exists() and metrics.stat().st_size > 0
+
+
+def wait_until_started(workdir, processes):
+  deadline = time.time() + 300
+  while not started(workdir):
+    assert all(p.poll() is None for p in processes), 'a run ended before its first step'
+    assert time.time() < deadline, 'no step was logged in 300 s'
+    time.sleep(0.05)
+
+
 def test_sigterm_checkpoints_then_stops(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   workdir = tmp_path / 'run'
@@ -81,14 +98,48 @@ def test_sigterm_checkpoints_then_stops(tmp_path):
                            f'--out={tmp_path / "x.npz"}', '--steps=400', '--checkpoint_every=1000'],
                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
-  deadline = time.time() + 300
-  while not (workdir / 'metrics.jsonl').exists() and time.time() < deadline:
-    time.sleep(0.05)
+  wait_until_started(workdir, [proc])
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=300)
   assert proc.returncode != 0 and 'Preempted' in stderr
   saved = latest_checkpoint(workdir)
   assert 0 < saved < 400, 'no checkpoint was written on SIGTERM'
+  assert not (tmp_path / 'x.npz').exists()
+
+
+def test_sigterm_to_one_of_two_processes_checkpoints_one_step_on_both_then_stops(tmp_path):
+  """The save is collective: the process that got no SIGTERM must save the same step and
+  stop too, rather than leave the other waiting in the save (and itself in the next step)."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1',
+             PYTHONPATH=REPO)
+  workdir = tmp_path / 'run'
+  processes = [subprocess.Popen(
+      [sys.executable, DRIVER, '--steps=400', '--devices=2', '--checkpoint_every=1000',
+       f'--workdir={workdir}', f'--out={tmp_path / "x.npz"}',
+       f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
+      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    wait_until_started(workdir, processes)
+    processes[1].send_signal(signal.SIGTERM)
+    stderrs = [p.communicate(timeout=120)[1] for p in processes]
+  except subprocess.TimeoutExpired:
+    pytest.fail('the processes hung after a SIGTERM to one of them')
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  saved = []
+  for i, (p, stderr) in enumerate(zip(processes, stderrs)):
+    found = re.search(r'Preempted: SIGTERM: saved step (\d+)', stderr)
+    assert p.returncode != 0 and found, f'process {i}:\n{stderr[-3000:]}'
+    saved.append(int(found.group(1)))
+  assert saved[0] == saved[1] == latest_checkpoint(workdir), saved
+  assert 0 < saved[0] < 400
   assert not (tmp_path / 'x.npz').exists()
 
 
