@@ -1,4 +1,4 @@
-r"""Merging Hugging Face checkpoints, a tensor at a time (merging/jobs/checkpoints.py).
+r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
 
   python -m launch.merge_checkpoints --config.base=/models/base \
       --config.models=/models/math,/models/code --config.method=ties --config.scale=1.0 \
@@ -16,6 +16,8 @@ YAML config (merging/jobs/mergekit.py) in place of the flags it sets.
 
 import ml_collections
 
+import merging
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
@@ -23,6 +25,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.base = ''  # a Hugging Face directory or one .safetensors file
   config.models = ''  # the fine-tuned checkpoints, comma-separated
   config.output = ''  # default: <workdir>/merged
+  config.overwrite = False  # replace an output that is not this merge's own
   config.method = 'task_arithmetic'
   config.scale = 1.0  # λ in θ0 + λ·τ_m (θ0 − λ·τ for negation)
   config.seed = 0  # DARE's key; each tensor's draw is keyed by its name
@@ -32,12 +35,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
-  # The methods' settings (merging/<method>.py); TIES ranks each tensor on its own here.
-  # `normalize` divides by the (agreeing) weights, mergekit's default for each method.
-  config.task_arithmetic = ml_collections.ConfigDict(dict(normalize=False))
-  config.ties = ml_collections.ConfigDict(dict(density=0.2, scope='tensor', normalize=True))
-  config.dare = ml_collections.ConfigDict(dict(p=0.5, then='task_arithmetic', density=0.2,
-                                               scope='tensor'))
-  config.breadcrumbs = ml_collections.ConfigDict(dict(top=0.01, bottom=0.89))
-  config.consensus = ml_collections.ConfigDict(dict(min_tasks=2, tall_lambda=0.5))
+  # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
+  # each tensor on its own here, as mergekit does.
+  for method in ('task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus'):
+    config[method] = merging.defaults(method)
+  config.ties.scope = config.dare.scope = 'tensor'
   return config

@@ -41,8 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # One setting per method (no grid) and short learned merges, for the CPU budget: TIES keeps
   # the top 20% (its paper's default), DARE drops half; λ is still chosen on validation.
-  config.ties.density = (0.2,)
-  config.dare.p = (0.5,)
+  config.sweep.ties.density = config.sweep.dare.p = None
   config.adamerging_task.steps = 50
   config.adamerging_layer.steps = 50
 

@@ -8,7 +8,7 @@ Every process computes the same thing on its own devices, so the rules are few:
 - Output to the host: an array split across processes is gathered before it is read
   (`to_host`), since a process can fetch only its own devices' shards.
 - Files: process 0 writes, and every process waits at the end of each write until it is done
-  (`editing.checkpoint.atomic_file`), so no process reads a file another has not finished. The
+  (`editing.atomic.file`), so no process reads a file another has not finished. The
   workdir must be on a filesystem every host sees (NFS, a gcsfuse mount). Orbax writes the
   training checkpoints itself, each process its own shards.
 - Console: the launch jobs log and print on process 0 only (`editing.jobs.cli`).

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from editing import atomic
 from editing import checkpoint
 from editing import distributed
 from editing import sharding as sharding_lib
@@ -132,7 +133,7 @@ class _MetricWriter:
     if os.path.exists(self._path):
       with open(self._path) as f:
         kept = [line for line in f if _logged_step(line) <= resumed_step]
-      checkpoint.atomic_write_bytes(self._path, ''.join(kept).encode())
+      atomic.write_bytes(self._path, ''.join(kept).encode())
     if not self._primary:
       return
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top

@@ -3,7 +3,7 @@ on validation, and evaluates each merge (`merging.jobs.merge`).
 
   python -m launch.merge --config=configs/merge.py [--workdir=workdir/quickstart]
   python -m launch.merge --config=configs/merge.py --config.merge.methods=ties \
-      --config.ties.density='(0.1,0.2)' --config.ties.scope=tensor
+      --config.sweep.ties.density='(0.1,0.2)' --config.ties.scope=tensor
 """
 
 from configs import merge as merge_config

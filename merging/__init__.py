@@ -13,7 +13,10 @@ import functools
 import inspect
 from typing import Callable
 
+import ml_collections
+
 from editing import registry
+from editing import settings as settings_lib
 from merging import adamerging
 from merging import averaging
 from merging import breadcrumbs
@@ -41,32 +44,43 @@ class Method:
   split: str = 'train'
   refused_regimes: tuple[str, ...] = ()  # regimes whose task vectors it cannot merge
   section: str | None = None  # the config section of its settings, if not its own name
-  # The function whose keyword parameters are the settings, if `merge` forwards **settings.
-  settings_of: Callable | None = None
+  # What a streamed checkpoint merge must do before a tensor's blocks merge: rank its
+  # magnitudes whole (TIES' top-k, Breadcrumbs' band), or take it whole (DARE's draws span
+  # the tensor's shape).
+  ranked: bool = False
+  whole_tensor: bool = False
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
     if unknown:
       raise ValueError(f'a merging method reads {unknown}, which are not of {INPUTS}')
 
-  def settings(self) -> dict[str, inspect.Parameter]:
-    """The keyword settings a config section may give: `merge`'s keyword-only parameters
-    (or those of `settings_of`), less the inputs and what a partial already binds."""
-    bound = self.merge.keywords if isinstance(self.merge, functools.partial) else {}
-    parameters = inspect.signature(self.settings_of or self.merge).parameters
-    return {name: p for name, p in parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in INPUTS + tuple(bound)}
+  @property
+  def data_free(self) -> bool:
+    """Whether it reads nothing but the task vectors (and a key): it can stream checkpoints."""
+    return set(self.reads) <= {'key'}
+
+  @property
+  def weighted(self) -> bool:
+    """Whether it takes per-vector weights, as mergekit's methods do."""
+    inner = self.merge.func if isinstance(self.merge, functools.partial) else self.merge
+    return 'weights' in inspect.signature(inner).parameters
+
+  @property
+  def settings(self) -> dict[str, settings_lib.Setting]:
+    """The settings `merge` declares (`editing.settings`), less what a partial binds."""
+    return settings_lib.of(self.merge)
 
 
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
-_DAM = dict(_LEARNED, section='dam', settings_of=dam.learn)
+_DAM = dict(_LEARNED, section='dam')
 
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
     'task_arithmetic': Method(task_arithmetic.merge),
-    'ties': Method(ties.merge),
-    'dare': Method(dare.merge, reads=('key',)),
-    'breadcrumbs': Method(breadcrumbs.merge),
+    'ties': Method(ties.merge, ranked=True),
+    'dare': Method(dare.merge, reads=('key',), whole_tensor=True),
+    'breadcrumbs': Method(breadcrumbs.merge, ranked=True),
     'consensus': Method(consensus.merge),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
@@ -84,5 +98,24 @@ REGISTRY: dict[str, Method] = {
 }
 
 
+# The config sections of the methods' settings (DAM's ablations read config.dam).
+SECTIONS = tuple(sorted({m.section or name for name, m in REGISTRY.items()}))
+
+
 def get(name: str) -> Method:
   return registry.lookup(REGISTRY, name, 'merging method')
+
+
+def defaults(name: str) -> ml_collections.ConfigDict:
+  """The config section of method `name`: each of its settings at its declared default."""
+  return settings_lib.defaults(get(name).merge)
+
+
+def sweep_axes(name: str) -> ml_collections.ConfigDict:
+  """Method `name`'s section of `config.sweep`: no axis until a tuple is given for one."""
+  return settings_lib.sweep_axes(get(name).merge)
+
+
+def check_settings(name: str, given, where: str) -> dict:
+  """Every setting of method `name`, `given` checked (errors name `where`.<setting>)."""
+  return settings_lib.check(get(name).merge, given, where)

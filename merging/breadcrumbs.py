@@ -14,12 +14,18 @@ chosen on validation.
 
 from typing import Any, Sequence
 
+from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
 
 
-def merge(task_vectors: Sequence[TaskVector], *, top: float = 0.01, bottom: float = 0.89,
+@settings.declare(
+    top=settings.number(0.01, '[0, 1)', 'the share of each leaf\'s largest magnitudes dropped'),
+    bottom=settings.number(0.89, '[0, 1)', 'the share of its smallest magnitudes dropped'),
+    constraint=settings.Constraint(lambda s: s['top'] + s['bottom'] < 1,
+                                   'top + bottom must be < 1 (something must be kept)'))
+def merge(task_vectors: Sequence[TaskVector], *, top: float, bottom: float,
           keep: Sequence[Any] | None = None) -> TaskVector:
   """Σ_t of each vector with its per-leaf magnitude tails dropped; `keep`, if given, holds the
   band masks already ranked (a streamed merge ranks each tensor on the host first)."""

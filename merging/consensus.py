@@ -22,6 +22,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from editing import settings
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -46,8 +47,11 @@ def task_localized(task_vectors: Sequence[TaskVector],
   return [v.replace(delta=ops.where(m, total)) for v, m in zip(task_vectors, masks)]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, min_tasks: int = 2,
-          tall_lambda: float = 0.5) -> TaskVector:
+@settings.declare(
+    min_tasks=settings.integer(2, '[1, inf)', 'how many TALL masks must keep an entry, k'),
+    tall_lambda=settings.number(0.5, '[0, inf)', 'λ_t of every task\'s TALL mask'))
+def merge(task_vectors: Sequence[TaskVector], *, min_tasks: int,
+          tall_lambda: float) -> TaskVector:
   """τ_MTL restricted to the entries whose TALL masks agree in at least `min_tasks` tasks."""
   masks = tall_masks(task_vectors, [tall_lambda] * len(task_vectors))
   votes = jax.tree.map(lambda *ms: sum(m.astype(jnp.int32) for m in ms), *masks)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
@@ -54,6 +55,19 @@ from merging import adamerging
 from merging import common
 
 MASKS = ('shared', 'safe')
+# λ's settings are AdaMerging's; its `steps` are the refit's here.
+SETTINGS = dict(
+    {k: s for k, s in adamerging.SETTINGS.items() if k != 'steps'},
+    steps=settings.integer(100, '[1, inf)', 'iterations of mask learning'),
+    refit_steps=settings.integer(100, '[0, inf)', 'AdaMerging steps of the final λ'),
+    mask_learning_rate=settings.number(0.02, '[0, inf)', "Adam's learning rate for the mask "
+                                       'logits (0: they stay at mask_init)'),
+    mask_init=settings.number(0.0, '(-inf, inf)', "the mask logits' initial value"),
+    temperature=settings.number(0.5, '(0, inf)', 'the Concrete temperature T'),
+    bound=settings.number(0.2, '[0, inf)', 'ε of ‖δ‖_∞, on [0, 1] pixels'),
+    perturbation_step=settings.number(0.02, '(0, 1]', 'each signed-gradient step on δ'),
+    safety_weight=settings.number(1.0, '[0, inf)', "α, the safe loss's weight in the "
+                                  "backdoor-detection mask's step"))
 
 
 class Learned(NamedTuple):
@@ -94,13 +108,13 @@ def masked(task_vectors: Sequence[TaskVector], mask: common.PyTree) -> list[Task
           for v in task_vectors]
 
 
+@settings.declare(**SETTINGS)
 def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
           data: Mapping[str, common.TaskData], key: jax.Array, masks: Sequence[str] = MASKS,
-          trigger: Callable[[np.ndarray], np.ndarray] | None = None, granularity: str = 'task',
-          steps: int = 100, refit_steps: int = 100, learning_rate: float = 1e-3,
-          mask_learning_rate: float = 0.02, mask_init: float = 0.0, temperature: float = 0.5,
-          bound: float = 0.2, perturbation_step: float = 0.02, safety_weight: float = 1.0,
-          init: float = 0.3, batch_size: int = 16) -> Learned:
+          trigger: Callable[[np.ndarray], np.ndarray] | None = None, granularity: str,
+          steps: int, refit_steps: int, learning_rate: float, mask_learning_rate: float,
+          mask_init: float, temperature: float, bound: float, perturbation_step: float,
+          safety_weight: float, init: float, batch_size: int) -> Learned:
   """Learns the masks, then refits λ under them.
 
   Args:
@@ -251,11 +265,13 @@ def _step(logits_fns, masks, learning_rate, mask_learning_rate, temperature, bou
   return lambda_tx, mask_tx, step
 
 
+@settings.declare(**SETTINGS)
 def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
-          data: Mapping[str, common.TaskData], key: jax.Array, **settings) -> TaskVector:
-  """Σ_k λ_k (M_s ⊙ M_b ⊙ τ_k) with the learned masks and refitted coefficients; `settings`
-  are `learn`'s."""
-  learned = learn(task_vectors, theta0=theta0, data=data, key=key, **settings)
+          data: Mapping[str, common.TaskData], key: jax.Array,
+          **learned_with) -> TaskVector:
+  """Σ_k λ_k (M_s ⊙ M_b ⊙ τ_k) with the learned masks and refitted coefficients;
+  `learned_with` are `learn`'s masks, trigger and settings."""
+  learned = learn(task_vectors, theta0=theta0, data=data, key=key, **learned_with)
   vectors = list(task_vectors)
   for mask in learned.masks.values():
     vectors = masked(vectors, mask)

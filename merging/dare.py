@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 import jax
 
+from editing import settings
 from editing import tree as tree_lib
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import ops
 from merging import task_arithmetic
@@ -39,18 +39,22 @@ def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array) -> list[T
           for v in task_vectors]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float = 0.5,
-          then: str = 'task_arithmetic', density: float = 0.2, scope: str = 'global',
-          weights: Sequence[float] | None = None, normalize: bool | None = None,
+@settings.declare(
+    p=settings.number(0.5, '[0, 1)', 'the drop probability'),
+    then=settings.choice('task_arithmetic', BASE_MERGES, 'the merge of the dropped vectors'),
+    density=ties.merge.settings['density'],
+    scope=ties.merge.settings['scope'],
+    normalize=settings.flag(None, "divide by the (agreeing) weights; None: `then`'s default"))
+def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, then: str,
+          density: float, scope: str, normalize: bool | None,
+          weights: Sequence[float] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
-  """DARE followed by `then` ('task_arithmetic' or 'ties', which reads density and scope),
-  with its `weights` and `normalize` (None: `then`'s default); `keep`, TIES' masks of the
-  dropped vectors ranked beforehand (see `ties.trim`)."""
+  """DARE followed by `then` (TIES reads density and scope), with its `weights` and
+  `normalize` (None: `then`'s default); `keep`, TIES' masks of the dropped vectors ranked
+  beforehand (see `ties.trim`)."""
   check_compatible(task_vectors, 'dare')
   dropped = drop(task_vectors, p, key)
   options = {'weights': weights, **({} if normalize is None else {'normalize': normalize})}
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped, **options)
-  if then == 'ties':
-    return ties.merge(dropped, density=density, scope=scope, keep=keep, **options)
-  raise UserError(f'dare: then must be one of {BASE_MERGES}, got {then!r}')
+  return ties.merge(dropped, density=density, scope=scope, keep=keep, **options)

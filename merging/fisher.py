@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import gradients
+from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
@@ -50,8 +51,9 @@ def combine(task_vectors: Sequence[TaskVector], fishers: Sequence[common.PyTree]
                                                 *fishers))
 
 
+@settings.declare(batch_size=settings.integer(32, '[1, inf)', 'examples per Fisher batch'))
 def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
-          data: Mapping[str, common.TaskData], batch_size: int = 32) -> TaskVector:
+          data: Mapping[str, common.TaskData], batch_size: int) -> TaskVector:
   """Fisher merging; each task's Fisher is taken at θ0 + τ_t on its labeled `data`."""
   check_compatible(task_vectors, 'fisher')
   fishers = []

@@ -1,5 +1,6 @@
 """The primitives merges are built from: trim, elect a sign, take the disjoint mean, drop and
-rescale. Each maps deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state."""
+rescale. Each maps deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
+Their arguments are the methods' settings, checked where each method declares them."""
 
 from typing import Any, Callable, Sequence
 
@@ -7,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from editing import tree as tree_lib
-from editing.errors import UserError
 
 PyTree = Any
 SCOPES = tree_lib.SCOPES
@@ -15,16 +15,12 @@ SCOPES = tree_lib.SCOPES
 
 def largest_count(density: float) -> Callable[[int], int]:
   """How many of n magnitudes TIES keeps: max(1, ⌊density·n⌋), as mergekit does."""
-  if not 0 < density <= 1:
-    raise UserError(f'density must be in (0, 1], got {density}')
   return lambda n: max(1, int(density * n))
 
 
 def band_counts(top: float, bottom: float) -> tuple[Callable[[int], int], Callable[[int], int]]:
   """How many of n magnitudes are not among the ⌊bottom·n⌋ smallest, and how many are the
   ⌊top·n⌋ largest: Breadcrumbs keeps the first set without the second."""
-  if top < 0 or bottom < 0 or top + bottom >= 1:
-    raise UserError(f'top and bottom must be ≥ 0 with top + bottom < 1, got {top}, {bottom}')
   return (lambda n: n - int(bottom * n)), (lambda n: int(top * n))
 
 
@@ -85,8 +81,6 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
   Each leaf draws from fold_in(key, stable_hash(path)), so the result does not depend on the
   traversal order, the device count or the sharding; p = 0 returns τ unchanged.
   """
-  if not 0 <= p < 1:
-    raise UserError(f'drop probability p must be in [0, 1), got {p}')
   if p == 0:
     return delta
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from editing import batching
 from editing import distributed
+from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
@@ -92,9 +93,11 @@ def combine(task_vectors: Sequence[TaskVector], theta0: common.PyTree,
   return common.merged(task_vectors, tree_lib.unflatten(merged))
 
 
+@settings.declare(
+    alpha=settings.number(0.9, '[0, 1]', 'the share of each Gram\'s off-diagonal kept'),
+    batch_size=settings.integer(64, '[1, inf)', 'examples per Gram batch'))
 def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn: ApplyFn,
-          data: Mapping[str, common.TaskData], alpha: float = 0.9,
-          batch_size: int = 64) -> TaskVector:
+          data: Mapping[str, common.TaskData], alpha: float, batch_size: int) -> TaskVector:
   """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
   check_compatible(task_vectors, 'regmean')
   if task_vectors[0].regime == 'linearized':

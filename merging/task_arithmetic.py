@@ -10,12 +10,14 @@ from typing import Sequence
 
 import jax
 
+from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
 
-def merge(task_vectors: Sequence[TaskVector], *, weights: Sequence[float] | None = None,
-          normalize: bool = False) -> TaskVector:
+@settings.declare(normalize=settings.flag(False, 'divide the weighted sum by Σ_t w_t'))
+def merge(task_vectors: Sequence[TaskVector], *, normalize: bool,
+          weights: Sequence[float] | None = None) -> TaskVector:
   """The (weighted) sum of the task vectors; they must share regime, base and tree structure."""
   check_compatible(task_vectors, 'task arithmetic')
   if weights is None:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import jax
 
+from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -36,8 +37,13 @@ def trim(task_vectors: Sequence[TaskVector], density: float, scope: str,
   return [ops.where(k, v.delta) for k, v in zip(keep, task_vectors)]
 
 
-def merge(task_vectors: Sequence[TaskVector], *, density: float = 0.2, scope: str = 'global',
-          weights: Sequence[float] | None = None, normalize: bool = True,
+@settings.declare(
+    density=settings.number(0.2, '(0, 1]', "the share of each vector's magnitudes kept, k"),
+    scope=settings.choice('global', ops.SCOPES, "what top-k ranks: each vector whole "
+                          "('global') or each of its tensors ('tensor')"),
+    normalize=settings.flag(True, 'divide by the agreeing weights (a mean); else a sum'))
+def merge(task_vectors: Sequence[TaskVector], *, density: float, scope: str, normalize: bool,
+          weights: Sequence[float] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
   """The TIES merge τ_m of the task vectors (before λ)."""
   check_compatible(task_vectors, 'ties')

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from editing import atomic
 from editing import checkpoint
 from editing.task_vector import TaskVector
 
@@ -41,14 +42,14 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
   path = str(tmp_path / 'y.safetensors')
   with pytest.raises(TypeError):
     checkpoint.save_tree(path, {'w': np.zeros(2, np.float32)}, {'bad': object()})
-  checkpoint.atomic_write_bytes(path, b'old')
+  atomic.write_bytes(path, b'old')
 
   def failing_replace(*args):
     raise OSError('disk full')
 
   monkeypatch.setattr(os, 'replace', failing_replace)
   with pytest.raises(OSError):
-    checkpoint.atomic_write_bytes(path, b'new')
+    atomic.write_bytes(path, b'new')
   monkeypatch.undo()
   assert open(path, 'rb').read() == b'old'
   assert os.listdir(tmp_path) == ['y.safetensors']
@@ -61,7 +62,7 @@ def test_missing_file_is_named(tmp_path):
 
 def test_written_files_get_the_usual_permissions(tmp_path):
   path = tmp_path / 'report.md'
-  checkpoint.atomic_write_bytes(str(path), b'x')
+  atomic.write_bytes(str(path), b'x')
   mask = os.umask(0)
   os.umask(mask)
   assert path.stat().st_mode & 0o777 == 0o666 & ~mask

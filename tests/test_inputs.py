@@ -36,11 +36,14 @@ from merging.jobs import merge
 
 
 def snapshot(directory: str) -> dict[str, str]:
-  """{relative path: sha256} of every file below `directory`."""
+  """{relative path: sha256} of every file below `directory`, less the workdir's lock file
+  (its holder's record, which each job rewrites)."""
   out = {}
   for root, _, files in os.walk(directory):
     for name in files:
       path = os.path.join(root, name)
+      if path == os.path.join(directory, '.lock'):
+        continue
       with open(path, 'rb') as f:
         out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
   return out
@@ -169,7 +172,24 @@ CASES = (
     Case('unknown merge setting',
          lambda w: None,
          lambda w: merge.run(with_ties_section(k=(0.2,)), w),
-         r'config.ties.k is not a setting of ties'),
+         r'config.ties.k is not a setting; the settings: \[.density.'),
+    Case('an internal argument given as a merge setting',
+         lambda w: None,
+         lambda w: merge.run(with_ties_section(keep='foo'), w),
+         r'config.ties.keep is not a setting'),
+    Case('a density out of its declared range',
+         lambda w: None,
+         lambda w: merge.run(tiny(**{'ties.density': 0.0}), w),
+         r'config.ties.density = 0.0: must be a number in \(0, 1\]'),
+    Case('a backbone of another model at finetune',
+         lambda w: None,
+         lambda w: finetune.run(tiny(**{'model.width': 48}), w, 'digits',
+                                experiment.regime(tiny(), 'full')),
+         r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
+    Case('a backbone of another model at evaluate',
+         lambda w: None,
+         lambda w: evaluate.run(tiny(**{'model.width': 48}), w),
+         r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
 )
 
 

@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from editing import checkpoint
+from editing import atomic
 from editing import regimes
 from editing import train
 from editing import tree as tree_lib
@@ -90,7 +90,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        'mfu': mfu(flops[name], step_s[name], peak, devices)}
                 for name in prepared}}
   print(_table(result))
-  checkpoint.atomic_write_json(os.path.join(workdir, 'benchmark.json'), result)
+  atomic.write_json(os.path.join(workdir, 'benchmark.json'), result)
   return result
 
 

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from editing import checkpoint
+from editing import atomic
 from editing import evaluate
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -24,7 +24,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   names = experiment.tasks(config)
   regimes = [r.name for r in experiment.configured_regimes(config)]
   pairs = disentanglement_pairs(config, names)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
   vectors = {r: dict(zip(names, experiment.load_task_vectors(workdir, r, names, theta0)))
              for r in regimes}
   # What the numbers depend on besides the vectors: a workdir evaluated under other data or
@@ -49,8 +49,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     results['regimes'][regime] = evaluate_regime(config, workdir, regime, theta0, apply_fn,
                                                  vectors[regime], data, control, heads,
                                                  pretrained, pairs)
-  checkpoint.atomic_write_json(os.path.join(workdir, 'results.json'), results)
-  checkpoint.atomic_write_bytes(os.path.join(workdir, 'report.md'),
+  atomic.write_json(os.path.join(workdir, 'results.json'), results)
+  atomic.write_bytes(os.path.join(workdir, 'report.md'),
                                 report.comparison_markdown(results).encode())
   print(report.comparison_table(results))
   return results
@@ -117,8 +117,8 @@ def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, co
              'disentanglement': {'alphas': grid, 'xi': xi,
                                  'mean': float(np.mean(list(xi.values()))) if xi else None}}
   directory = workdir_lib.evaluation_dir(workdir, regime)
-  checkpoint.atomic_write_json(os.path.join(directory, 'results.json'), results)
-  checkpoint.atomic_write_bytes(os.path.join(directory, 'report.md'),
+  atomic.write_json(os.path.join(directory, 'results.json'), results)
+  atomic.write_bytes(os.path.join(directory, 'report.md'),
                                 report.markdown(results).encode())
   report.plot_alpha_curves(results, os.path.join(directory, 'alpha_curves.png'))
   if xi:

@@ -56,7 +56,6 @@ _INF = float('inf')
 # a tuple value (a merge grid) is checked value by value.
 _RANGES = (
     ('*.warmup_steps', _integer(0)),
-    ('*.refit_steps', _integer(0)),
     ('*steps', _integer(1)),
     ('*batch_size', _integer(1)),
     ('*_every', _integer(1)),
@@ -80,28 +79,25 @@ _RANGES = (
     ('data.epochs.*', _number(0, _INF, open_low=True)),
     ('poison.rate', _number(0, 1)),
     ('talos.keep', _number(0, 1, open_low=True)),
-    ('*.density', _number(0, 1, open_low=True)),
     ('*_step', _number(0, 1, open_low=True)),
     ('eval.negation_threshold', _number(0, 1)),
     ('eval.disentanglement_limit', _number(0, _INF, open_low=True)),
-    ('dare.p', _number(0, 1, open_high=True)),
-    ('regmean.alpha', _number(0, 1)),
-    ('breadcrumbs.*', _number(0, 1, open_high=True)),
-    ('consensus.min_tasks', _integer(1)),
     ('blended.ratio', _number(0, 1)),
-    ('dam.temperature', _number(0, _INF, open_low=True)),
-    ('dam.bound', _number(0, _INF)),
     ('benchmark.peak_flops', _number(0, _INF)),
 )
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def validate(config: ml_collections.ConfigDict, declared: Sequence[str] = ()) -> None:
   """Every range-checked value of the config, the device count and the batch sizes it divides.
 
-  Jobs call this first, so that a bad value is refused before anything is written.
+  Jobs call this first, so that a bad value is refused before anything is written. The
+  sections in `declared` hold settings their functions declare (`editing.settings`), which are
+  checked there and skipped here, as is a value left unset (None).
   """
   flat = workdir_lib.dotted(config.to_dict())
   for key, value in flat.items():
+    if key.split('.')[0] in declared or value is None:
+      continue
     for pattern, (test, expected) in _RANGES:
       if fnmatch.fnmatchcase(key, pattern):
         for v in value if isinstance(value, tuple) else (value,):
@@ -245,16 +241,35 @@ def model(config_model: ml_collections.ConfigDict | dict):
   return module, lambda params, images: module.apply({'params': params}, images)
 
 
-def load_pretrained(workdir: str, compute_dtype: str | None = None):
-  """(θ0, apply_fn) from <workdir>/pretrain/params.safetensors, built from its own metadata;
-  `compute_dtype` (e.g. config.model.dtype: 'bfloat16' for mixed precision) replaces the
-  recorded one. The params stay as stored, float32."""
+def weights_of(model_config: dict) -> dict:
+  """A model config less its compute dtype: what decides the weights."""
+  return {k: v for k, v in dict(model_config).items() if k != 'dtype'}
+
+
+def load_pretrained(workdir: str, expected_model: ml_collections.ConfigDict | None = None):
+  """(θ0, apply_fn) from <workdir>/pretrain/params.safetensors, built from its own metadata.
+
+  A job passes its `config.model` as `expected_model`: a backbone of another model is refused
+  before the job writes anything, and its compute dtype ('bfloat16' for mixed precision)
+  replaces the recorded one. The params stay as stored, float32.
+  """
   path = workdir_lib.pretrained_file(workdir)
   if not os.path.exists(path):
     raise FileNotFoundError(f'no pretrained backbone at {path}; run launch.pretrain (or '
                             'launch.quickstart) with this --workdir first')
   params, meta = checkpoint.load_tree(path)
-  _, apply_fn = model({**meta['model'], **({'dtype': compute_dtype} if compute_dtype else {})})
+  recorded = meta['model']
+  if expected_model is not None:
+    wanted = weights_of(expected_model.to_dict())
+    differing = sorted(k for k in wanted.keys() | weights_of(recorded).keys()
+                       if wanted.get(k) != recorded.get(k))
+    if differing:
+      key = differing[0]
+      raise UserError(f'{path} is a backbone with model.{key} = {recorded.get(key)!r}, but '
+                      f'config.model.{key} = {wanted.get(key)!r}; use the config it was made '
+                      'with, or another --workdir')
+    recorded = {**recorded, 'dtype': expected_model.get('dtype', 'float32')}
+  _, apply_fn = model(recorded)
   return params, apply_fn
 
 

@@ -33,7 +33,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   experiment.validate(config)
   directory = directory or workdir_lib.finetune_dir(workdir, regime.name, task_name)
   out = os.path.join(directory, workdir_lib.TASK_VECTOR)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
   os.makedirs(directory, exist_ok=True)
   workdir_lib.use_compilation_cache(workdir)
   poisoned = task_name in experiment.poisoned_tasks(config)

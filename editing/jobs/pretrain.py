@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
+from editing import atomic
 from editing import checkpoint
 from editing import sharding
 from editing import train
@@ -49,10 +50,10 @@ def shipped_backbone(config: ml_collections.ConfigDict) -> str:
     record = json.load(f)
   path = os.path.join(os.path.dirname(SHIPPED), record['file'])
   # The compute dtype is not the weights': a float32 backbone serves bf16 compute too.
-  wanted = {'model': _weights_of(config.model.to_dict()),
+  wanted = {'model': experiment.weights_of(config.model.to_dict()),
             'pretrain': {k: v for k, v in config.pretrain.to_dict().items()
                          if k not in _BOOKKEEPING}}
-  record = dict(record, model=_weights_of(record['model']))
+  record = dict(record, model=experiment.weights_of(record['model']))
   differences = [f'config.{section}.{key} = {wanted[section].get(key)!r} '
                  f'(shipped: {record[section].get(key)!r})'
                  for section in wanted
@@ -89,11 +90,6 @@ def import_weights(config: ml_collections.ConfigDict, out: str) -> None:
   logging.info('imported θ0 from %s to %s', config.weights, out)
 
 
-def _weights_of(model: dict) -> dict:
-  """A model config less its compute dtype: what decides the weights."""
-  return {k: v for k, v in model.items() if k != 'dtype'}
-
-
 def _plain(value):
   """Lists and tuples compare as lists (a config holds tuples, JSON gives lists)."""
   return list(value) if isinstance(value, (list, tuple)) else value
@@ -122,7 +118,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   workdir_lib.check_job_config(directory, sections)
   if os.path.exists(out):
     recorded = checkpoint.load_tree(out)[1].get('model')
-    if _weights_of(recorded or {}) != _weights_of(config.model.to_dict()):
+    if experiment.weights_of(recorded or {}) != experiment.weights_of(config.model.to_dict()):
       raise UserError(f'{out} holds a backbone of model {recorded}, not config.model '
                       f'{config.model.to_dict()}; use another --workdir')
     logging.info('pretrained backbone found at %s', out)
@@ -132,7 +128,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
     return
   if not config.pretrain.from_scratch:
     shipped = shipped_backbone(config)
-    with checkpoint.atomic_file(out) as f, open(shipped, 'rb') as source:
+    with atomic.file(out) as f, open(shipped, 'rb') as source:
       shutil.copyfileobj(source, f)
     logging.info('copied the shipped backbone %s to %s', shipped, out)
     return

@@ -11,7 +11,7 @@ import time
 import ml_collections
 from absl import logging
 
-from editing import checkpoint
+from editing import atomic
 from editing.jobs import evaluate
 from editing.jobs import experiment
 from editing.jobs import finetune
@@ -39,7 +39,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   timings['evaluate'] = time.time() - start - timings['pretrain'] - timings['finetune']
   timings['total'] = time.time() - start
   results['seconds'] = timings
-  checkpoint.atomic_write_json(os.path.join(workdir, 'results.json'), results)
+  atomic.write_json(os.path.join(workdir, 'results.json'), results)
   logging.info('quickstart took %.0f s (%s); results in %s', timings['total'],
                ', '.join(f'{k} {v:.0f} s' for k, v in timings.items()), workdir)
   return results

@@ -4,7 +4,7 @@ merging reports (`merging.jobs.report`) share."""
 
 import io
 
-from editing import checkpoint
+from editing import atomic
 
 _COLUMNS = ('task', 'pretrained', 'fine-tuned', 'addition', 'addition (norm.)', 'negation target',
             'negation control')
@@ -112,7 +112,7 @@ def save_png(fig, path: str) -> None:
   buffer = io.BytesIO()
   fig.savefig(buffer, format='png', dpi=110)
   pyplot().close(fig)
-  checkpoint.atomic_write_bytes(path, buffer.getvalue())
+  atomic.write_bytes(path, buffer.getvalue())
 
 
 def plot_alpha_curves(results: dict, path: str) -> None:

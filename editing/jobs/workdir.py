@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from editing import checkpoint
+from editing import atomic
 from editing.errors import UserError
 
 # The files a fine-tuning directory ends with.
@@ -128,7 +128,7 @@ def _differing_setting(directory: str, sections: dict[str, Any]) -> tuple | None
   path = os.path.join(directory, _JOB_CONFIG)
   current = json.loads(json.dumps(sections, sort_keys=True, default=str))
   if not os.path.exists(path):
-    checkpoint.atomic_write_json(path, current)
+    atomic.write_json(path, current)
     return None
   with open(path) as f:
     recorded = dotted(json.load(f))

@@ -20,7 +20,6 @@ and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py), '
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -30,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import safetensors
-from safetensors import numpy as safetensors_np
 
-from editing import checkpoint
+from editing import atomic
 from editing import registry
+from editing import safetensors_io
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import bert
@@ -46,8 +44,9 @@ from third_party import hf_clip
 from third_party import hf_vit
 from third_party import open_clip
 
-SINGLE = 'model.safetensors'
-INDEX = 'model.safetensors.index.json'
+SINGLE, INDEX = safetensors_io.SINGLE, safetensors_io.INDEX
+# What transformers expects of a file's metadata.
+PT_METADATA = {'format': 'pt'}
 _PICKLES = ('pytorch_model.bin', 'model.bin', 'model.pt', 'model.pth', 'model.ckpt')
 
 
@@ -57,7 +56,7 @@ class Checkpoint:
 
   def __init__(self, path: str):
     self.path = path
-    self._headers: dict[str, tuple[dict, int]] = {}
+    self._files: dict[str, safetensors_io.File] = {}
     if os.path.isdir(path):
       open_clip_config = os.path.join(path, open_clip.CONFIG)
       self.config = _read_json(open_clip_config if os.path.exists(open_clip_config) and
@@ -97,73 +96,23 @@ class Checkpoint:
                       'model.save_pretrained(directory, safe_serialization=True)')
     raise UserError(f'{directory} has neither {SINGLE} nor {INDEX}')
 
-  @staticmethod
-  def _names_of(file: str) -> dict[str, str]:
-    if not os.path.exists(file):
-      raise FileNotFoundError(f'no safetensors file at {file}')
-    checkpoint.refuse_pickle(file)
-    try:
-      with safetensors.safe_open(file, framework='numpy') as f:
-        return {name: file for name in f.keys()}
-    except (safetensors.SafetensorError, OSError) as e:
-      raise UserError(f'{file} is not a readable safetensors file ({e}); it may be truncated '
-                      'or corrupt') from None
+  def _names_of(self, path: str) -> dict[str, str]:
+    """{name: path} of the file's tensors (opened here once: its header parsed and checked)."""
+    self._files[path] = safetensors_io.File(path)
+    return {name: path for name in self._files[path].names}
 
   def tensor(self, name: str) -> np.ndarray:
     """One tensor as stored (float32, bfloat16, float16, ...); KeyError if there is none."""
-    shape, _ = self.header(name)
-    return self.read(name, 0, math.prod(shape)).reshape(shape)
+    return self._files[self.files[name]].tensor(name)
 
   def header(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
     """A tensor's shape and numpy dtype, from the file's header alone."""
-    entry = self._entry(name)
-    dtype = checkpoint.DTYPES.get(entry['dtype'])
-    if dtype is None:
-      raise UserError(f'{self.files[name]}: {name} has dtype {entry["dtype"]}, which is not '
-                      'read here')
-    return tuple(entry['shape']), dtype
+    return self._files[self.files[name]].header(name)
 
   def read(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Entries [start, stop) of a tensor in row-major order, as stored, into `out` (a 1-D
-    array of the tensor's dtype and at least stop − start entries; a new one if None).
-
-    A plain positioned read, not a memory map, so that the pages of tensors already merged do
-    not stay in this process's resident memory, and a block read into a buffer that is used
-    again stays in the processor's cache.
-    """
-    file = self.files[name]
-    shape, dtype = self.header(name)
-    if not 0 <= start <= stop <= math.prod(shape):
-      raise ValueError(f'{name}: entries [{start}, {stop}) of a tensor of {math.prod(shape)}')
-    begin = self._entry(name)['data_offsets'][0] + self._header(file)[1]
-    count = stop - start
-    if out is None:
-      out = np.empty(count, dtype)
-    elif out.dtype != dtype or out.size < count:
-      raise ValueError(f'{name}: read into {out.dtype}[{out.size}], not {dtype}[{count}]')
-    view = out[:count].view(np.uint8)
-    fd = os.open(file, os.O_RDONLY)
-    try:
-      done = 0
-      while done < view.size:  # a single read returns at most about 2 GB on Linux
-        got = os.preadv(fd, [view[done:]], begin + start * dtype.itemsize + done)
-        if got == 0:
-          raise UserError(f'{file}: {name} ends past the end of the file; it is truncated')
-        done += got
-    finally:
-      os.close(fd)
-    return out[:count]
-
-  def _entry(self, name: str) -> dict:
-    return self._header(self.files[name])[0][name]
-
-  def _header(self, file: str) -> tuple[dict, int]:
-    """The file's JSON header and where its data starts (parsed once per file)."""
-    if file not in self._headers:
-      with open(file, 'rb') as f:
-        length = int.from_bytes(f.read(8), 'little')
-        self._headers[file] = (json.loads(f.read(length)), 8 + length)
-    return self._headers[file]
+    """Entries [start, stop) of a tensor in row-major order, as stored, into `out` (see
+    `safetensors_io.File.read`)."""
+    return self._files[self.files[name]].read(name, start, stop, out)
 
 
 def _read_json(path: str) -> dict:
@@ -330,38 +279,24 @@ def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
          shard_bytes: int, extra_configs: dict[str, dict] | None = None) -> None:
   """config.json (and any `extra_configs`, by file name) and the tensors in safetensors shards
   of at most `shard_bytes` (a tensor larger than that gets a shard of its own), with the index
-  when there are several; written beside `directory` and renamed into place."""
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name in sorted(tensors):
-    nbytes = tensors[name].nbytes
-    if shards[-1] and size + nbytes > shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = tensors[name]
-    size += nbytes
+  when there are several; written beside `directory` and put in place of what was there in one
+  step (`atomic.replace_directory`)."""
+  arrays = {name: np.asarray(tensors[name]) for name in sorted(tensors)}
+  shards = safetensors_io.plan_shards([(n, x.shape, x.dtype) for n, x in arrays.items()],
+                                      shard_bytes)
   parent = os.path.dirname(os.path.abspath(directory))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix='.tmp-' + os.path.basename(directory))
   try:
-    names = ([SINGLE] if len(shards) == 1 else
-             [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))])
-    for name, shard in zip(names, shards):
-      with open(os.path.join(tmp, name), 'wb') as f:
-        f.write(safetensors_np.save(shard, metadata={'format': 'pt'}))
-    if len(shards) > 1:
-      index = {'metadata': {'total_size': sum(t.nbytes for t in tensors.values())},
-               'weight_map': {t: name for name, shard in zip(names, shards) for t in shard}}
-      with open(os.path.join(tmp, INDEX), 'w') as f:
-        json.dump(index, f, indent=2, sort_keys=True)
+    for shard in shards:
+      safetensors_io.write(os.path.join(tmp, shard.file), shard.entries,
+                           lambda name: [arrays[name]], metadata=PT_METADATA)
+    safetensors_io.write_index(tmp, shards)
     for name, content in {'config.json': config, **(extra_configs or {})}.items():
-      with open(os.path.join(tmp, name), 'w') as f:
-        json.dump(content, f, indent=2, sort_keys=True)
+      atomic.write_json(os.path.join(tmp, name), content)
     # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.
-    os.chmod(tmp, 0o777 & ~checkpoint.umask())
-    if os.path.exists(directory):
-      shutil.rmtree(directory)
-    os.replace(tmp, directory)
+    os.chmod(tmp, 0o777 & ~atomic.umask())
+    atomic.replace_directory(tmp, directory)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

@@ -7,7 +7,7 @@ peak RSS is its own:
 
   floor            read every input tensor once, add them, write the output: the merge's
                    own blocked reads, threads and writes around a numpy sum
-  task_arithmetic  θ0 + Σ τ_t through merging.jobs.checkpoints
+  task_arithmetic  θ0 + Σ τ_t through merging.checkpoints
   ties             TIES at density 0.2, per tensor, through the same
 
 The three run in turn, `REPEATS` times over (the machine's noise moves all of them; the floor's
@@ -24,9 +24,10 @@ import time
 import jax
 import numpy as np
 
-from editing import checkpoint
+from editing import atomic
 from editing.models import hf
-from merging.jobs import checkpoints
+from merging import checkpoints
+from merging.checkpoints import pipeline
 
 REPEATS = 5
 SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
@@ -76,16 +77,16 @@ def measure(what: str, base: str, models: list[str], output: str) -> dict:
     entries = [(n, *inputs[0].header(n)) for n in sorted(inputs[0].files)]
 
     def add(name: str, start: int, stop: int) -> np.ndarray:
-      blocks = checkpoints.read_block(inputs, name, start, stop, stop - start,
-                                      inputs[0].header(name)[1])
+      blocks = pipeline.read_block(inputs, name, start, stop, stop - start,
+                                   inputs[0].header(name)[1])
       return sum(blocks[1:], blocks[0].copy())
 
     # The merge's own reads, threads and writes, a numpy sum in place of the merge.
-    checkpoints.write_streamed(os.path.join(output, hf.SINGLE), entries, lambda name: name,
-                               add, checkpoints.Plan.prefetch)
+    pipeline.write_streamed(os.path.join(output, hf.SINGLE), entries, lambda name: name, add,
+                            checkpoints.Plan.prefetch)
   else:
     settings = {'density': 0.2, 'scope': 'tensor'} if what == 'ties' else {}
-    checkpoints.merge(base, models, output, checkpoints.Plan(what, settings))
+    checkpoints.merge(base, models, output, checkpoints.Plan(what, settings), overwrite=True)
   return {'seconds': time.time() - start, 'peak_rss_bytes': _peak_rss()}
 
 
@@ -121,5 +122,5 @@ def run(config, workdir: str) -> dict:
                  f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f}')
   print('\n'.join(lines))
   summary = {'fixture': SHAPE, 'largest_tensor_bytes': largest, 'results': results}
-  checkpoint.atomic_write_json(os.path.join(workdir, 'checkpoint_benchmark.json'), summary)
+  atomic.write_json(os.path.join(workdir, 'checkpoint_benchmark.json'), summary)
   return summary

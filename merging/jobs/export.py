@@ -34,7 +34,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
     raise FileNotFoundError(f'no merged params at {source}; run launch.merge with '
                             f'--config.regimes={settings.regime} and method {settings.method} '
                             'first')
-  theta0, _ = experiment.load_pretrained(workdir)
+  theta0, _ = experiment.load_pretrained(workdir, config.model)
   model = checkpoint.load_tree(workdir_lib.pretrained_file(workdir))[1]['model']
   if model.get('family') != 'vit' or 'image_size' not in model:
     raise UserError(f'the workdir\'s θ0 ({workdir_lib.pretrained_file(workdir)}) was not '

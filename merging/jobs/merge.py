@@ -10,14 +10,14 @@ settings it is redone and overwritten. Results are kept per method: the report l
 method whose stored result was made under the current settings, the ones listed in
 `config.merge.methods` now and the ones merged before.
 
-Grids are typed config: in a method's section (config.<method>, or the section it shares),
-a tuple is one axis of the grid (`config.ties.density = (0.1, 0.2)`, on the command line
-`--config.ties.density='(0.1,0.2)'`) and any other value a fixed setting. Every key must be a
-keyword setting of the method's function, and every value of the kind of its default.
+A method's section (config.<method>, or the section it shares) holds the value of each of its
+settings, as the method declares them (`editing.settings`: defaults, ranges, doc). Its grid is
+written apart, in config.sweep.<section>: a tuple there is one axis of the grid
+(`--config.sweep.ties.density='(0.1,0.2)'`), and a setting with no axis keeps its value. Every
+value is checked against the declaration before anything is written.
 """
 
 import dataclasses
-import inspect
 import itertools
 import json
 import os
@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from editing import checkpoint
+from editing import atomic
 from editing import evaluate
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -44,7 +44,7 @@ from merging.jobs import report
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Merges and evaluates every method of `config.merge.methods` for every regime."""
-  experiment.validate(config)
+  experiment.validate(config, declared=declared_sections())
   names = experiment.tasks(config)
   methods = methods_from(config.merge.methods, key='config.merge.methods')
   regimes = experiment.configured_regimes(config)
@@ -59,7 +59,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      'which only the safety experiment (launch.safety) has')
   for m in methods:
     hyperparameter_grid(config, m)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
   vectors = {r.name: experiment.load_task_vectors(workdir, r.name, names, theta0)
              for r in regimes}
   workdir_lib.use_compilation_cache(workdir)
@@ -75,48 +75,40 @@ def methods_from(value: str, *, key: str) -> list[str]:
   return experiment.names_from(value, key=key, kind='method', known=list(merging.REGISTRY))
 
 
+def declared_sections() -> tuple[str, ...]:
+  """The config sections whose settings the merging methods declare, and the sweep's."""
+  return ('sweep',) + merging.SECTIONS
+
+
 def hyperparameter_grid(config: ml_collections.ConfigDict, name: str) -> list[dict]:
-  """Every combination of the settings in method `name`'s config section (one empty setting
-  when it has no section); tuples are the grid's axes."""
-  method = merging.get(name)
-  key = method.section or name
-  section = config.get(key)
-  if section is None:
-    return [{}]
-  known = method.settings()
+  """Every combination of method `name`'s grid axes (config.sweep.<section>), each with the
+  section's values of its other settings; every value checked against the declaration."""
+  section = merging.get(name).section or name
+  values = (config.get(section) or {})
+  values = dict(values.items()) if values else {}
+  fixed = merging.check_settings(name, values, f'config.{section}')
   axes = {}
-  for setting, value in section.items():
-    where = f'config.{key}.{setting}'
-    if setting not in known:
-      raise UserError(f'{where} is not a setting of {name}; its settings: {sorted(known)}')
-    values = tuple(value) if isinstance(value, tuple) else (value,)
-    if not values:
+  for setting, axis in _axes(config, section).items():
+    where = f'config.sweep.{section}.{setting}'
+    if setting not in fixed:
+      raise UserError(f'{where} is not a setting of {name}; its settings: {sorted(fixed)}')
+    if not axis:
       raise UserError(f'{where} is an empty grid; give at least one value')
-    default = known[setting].default
-    for v in values:
-      if not _of_kind(v, default):
-        raise UserError(f'{where}: {v!r} is a {type(v).__name__}, but {name} takes a '
-                         f'{type(default).__name__} (default {default!r})')
-    axes[setting] = values
-  return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    axes[setting] = tuple(merging.get(name).settings[setting].check(v, where) for v in axis)
+  return [{**fixed, **dict(zip(axes, point))} for point in itertools.product(*axes.values())]
 
 
 def swept(config: ml_collections.ConfigDict, name: str) -> list[str]:
-  """The settings of method `name` that its config section gives as a grid (tuples)."""
-  method = merging.get(name)
-  section = config.get(method.section or name)
-  return [k for k, v in (section or {}).items() if isinstance(v, tuple)]
+  """The settings of method `name` that config.sweep gives a grid axis."""
+  return sorted(_axes(config, merging.get(name).section or name))
 
 
-def _of_kind(value, default) -> bool:
-  """Whether `value` may stand where the signature has `default` (an int may be a float)."""
-  if default is inspect.Parameter.empty or default is None:
-    return True
-  if isinstance(default, bool) or isinstance(value, bool):
-    return isinstance(value, bool) and isinstance(default, bool)
-  if isinstance(default, float):
-    return isinstance(value, (int, float))
-  return isinstance(value, type(default))
+def _axes(config: ml_collections.ConfigDict, section: str) -> dict[str, tuple]:
+  """config.sweep.<section>'s axes: the settings given a tuple (or any single value, taken as
+  an axis of one)."""
+  sweep = (config.get('sweep') or {}).get(section) or {}
+  return {k: tuple(v) if isinstance(v, (tuple, list)) else (v,)
+          for k, v in sweep.items() if v is not None}
 
 
 def merge_regime(config, workdir, regime, methods, theta0, apply_fn, vectors, data,
@@ -141,13 +133,13 @@ def merge_regime(config, workdir, regime, methods, theta0, apply_fn, vectors, da
     chosen = best_merge(config, name, vectors, inputs, evaluator, finetuned)
     _save_params(os.path.join(directory, 'params'), chosen.params)
     results[name] = {'method': name, **chosen.summary, 'seconds': time.time() - start}
-    checkpoint.atomic_write_json(result_file, results[name])
+    atomic.write_json(result_file, results[name])
   results.update(_earlier_results(config, workdir_lib.merge_dir(workdir, regime), results))
   summary = {'regime': regime, 'tasks': names, 'pretrained': pretrained,
              'finetuned': finetuned, 'methods': results}
   out = workdir_lib.merge_dir(workdir, regime)
-  checkpoint.atomic_write_json(os.path.join(out, 'results.json'), summary)
-  checkpoint.atomic_write_bytes(os.path.join(out, 'report.md'),
+  atomic.write_json(os.path.join(out, 'results.json'), summary)
+  atomic.write_bytes(os.path.join(out, 'report.md'),
                                 report.merging_markdown(summary).encode())
   print(report.merging_table(summary))
   return summary
@@ -168,11 +160,16 @@ def _earlier_results(config, directory: str, done: dict) -> dict:
 
 
 def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
-  """The config a merge's result depends on: its method section and the shared ones (not
-  which other methods run beside it)."""
-  section = config.get(merging.get(name).section or name)
+  """The config a merge's result depends on: its settings, its grid and the shared sections
+  (not which other methods run beside it)."""
+  section = merging.get(name).section or name
+  values = config.get(section)
   shared = {k: v for k, v in config.merge.to_dict().items() if k != 'methods'}
-  return {'method': section.to_dict() if section is not None else {}, 'merge': shared,
+  axes = {k: list(v) for k, v in _axes(config, section).items()}
+  fixed = merging.check_settings(name, dict(values.items()) if values else {},
+                                 f'config.{section}')
+  return {'method': {k: v for k, v in fixed.items() if k not in axes},
+          **({'sweep': axes} if axes else {}), 'merge': shared,
           'eval': config.eval.to_dict(), **experiment.data_settings(config, 'train_size')}
 
 

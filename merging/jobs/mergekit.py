@@ -17,6 +17,8 @@ slices, tokenizer_source, a per-model density that differs between models — is
 error, never ignored.
 """
 
+import os
+
 import ml_collections
 import yaml
 
@@ -67,7 +69,7 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
     _check_keys(own, ('weight', 'density'), path, where)
     parameters = {**defaults, **own}
     named = lambda key: (where if key in own else 'parameters.') + key  # where a value is set
-    models.append(str(entry['model']))
+    models.append((i, entry.get('model')))
     weights.append(_number(parameters.get('weight', 1.0), path, named('weight')))
     if 'density' in parameters:
       densities.add(_number(parameters['density'], path, named('density')))
@@ -76,6 +78,10 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   if len(densities) > 1:
     raise UserError(f'{path}: models have different densities {sorted(densities)}; one '
                     'density for all models is supported here')
+  _check_exists(base, path, 'base_model')
+  for i, model in models:
+    _check_exists(model, path, f'models[{i}].model')
+  models = [str(model) for _, model in models]
 
   out = ml_collections.ConfigDict(config.to_dict())
   ours, settings = METHODS[method]
@@ -97,6 +103,13 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   section = out[ours].to_dict() if ours in out else {}
   out[ours] = ml_collections.ConfigDict({**section, **settings})
   return out
+
+
+def _check_exists(model, path: str, key: str) -> None:
+  """A model named in the YAML is a local directory or file (hub names are not fetched)."""
+  if not isinstance(model, str) or not os.path.exists(model):
+    raise UserError(f'{path}: {key} = {model}: no such directory or file (models are read from '
+                    'local paths, never downloaded)')
 
 
 def _number(value, path: str, key: str) -> float:

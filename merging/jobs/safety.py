@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from editing import checkpoint
+from editing import atomic
 from editing import evaluate
 from editing.data import triggers
 from editing.errors import UserError
@@ -37,7 +37,7 @@ from merging.jobs import report
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  experiment.validate(config)
+  experiment.validate(config, declared=merge.declared_sections())
   names = experiment.tasks(config)
   regime = _regime(config)
   victims = experiment.names_from(config.safety.victims, key='config.safety.victims', kind='task',
@@ -54,7 +54,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   seeds = [int(s) for s in config.safety.seeds.split(',')]
 
   pretrain.run(config, workdir)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model.dtype)
+  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
   data = {t: experiment.load_task(config, t) for t in names}
   heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
   evaluator = experiment.evaluator(config, apply_fn, regime.name)
@@ -113,8 +113,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _write_reports(summary: dict, out: str) -> None:
-  checkpoint.atomic_write_json(os.path.join(out, 'results.json'), summary)
-  checkpoint.atomic_write_bytes(os.path.join(out, 'report.md'),
+  atomic.write_json(os.path.join(out, 'results.json'), summary)
+  atomic.write_bytes(os.path.join(out, 'report.md'),
                                 report.safety_markdown(summary).encode())
   report.plot_safety(summary, os.path.join(out, 'scatter.png'))
 
@@ -136,7 +136,7 @@ def _merge_and_attack(config, name, vectors, inputs, evaluator, finetuned, direc
             'succession': float(np.mean([asr[t] for t in poisoned])),
             'transfer': float(np.mean([asr[t] for t in clean])),
             'seconds': time.time() - start}
-  checkpoint.atomic_write_json(result_file, result)
+  atomic.write_json(result_file, result)
   logging.info('%s: clean %.3f, succession ASR %.3f, transfer ASR %.3f', name,
                result['mean_test'], result['succession'], result['transfer'])
   return result

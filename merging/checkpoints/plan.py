@@ -1,0 +1,131 @@
+"""What a checkpoint merge does, checked whole before anything is read or written."""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import merging
+from editing.errors import UserError
+
+# Beside the data-free merges: θ0 − λ·τ_1 and τ_1 itself, of one fine-tuned model.
+SINGLE_MODEL = ('negation', 'extract')
+OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
+                 'float16': np.dtype(np.float16)}
+
+
+def methods() -> tuple[str, ...]:
+  """The methods a checkpoint merge runs: the data-free ones of `merging`, and SINGLE_MODEL."""
+  return tuple(n for n, m in merging.REGISTRY.items() if m.data_free) + SINGLE_MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a merge does: the method and its settings, λ and the output's form.
+
+  Each field is the config key of the same name (configs/merge_checkpoints.py), and the errors
+  name it. `settings` may give some of the method's settings; the plan holds all of them, the
+  others at the defaults the method declares.
+  """
+
+  method: str
+  settings: dict
+  scale: float = 1.0  # λ
+  seed: int = 0  # DARE's key
+  shard_bytes: int = 2 * 1024**3
+  allow_nonfinite: bool = False
+  weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
+  dtype: str | None = None  # of the merged floating tensors; default the base's
+  # Blocks read and merged ahead, each in a thread, while one is written: more is faster up
+  # to the cores there are. It changes no bit of the output.
+  prefetch: int = 2
+
+  def __hash__(self):  # a static argument of the jitted per-block merge
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:  # once: the merge hashes the plan at every block
+    return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                      for v in dataclasses.astuple(self)))
+
+  def __post_init__(self):
+    known = methods()
+    if self.method not in known:
+      entry = merging.REGISTRY.get(self.method)
+      if entry is not None:
+        raise UserError(f'config.method = {self.method!r} reads data ({", ".join(entry.reads)});'
+                        f' checkpoint merging runs only the data-free methods {known}')
+      raise UserError(f'config.method = {self.method!r} is not a checkpoint merge; known: {known}')
+    settings = dict(self.settings)
+    if self.method in SINGLE_MODEL:
+      if settings:
+        raise UserError(f'config.{self.method} takes no settings, got {sorted(settings)}')
+    else:
+      settings = merging.check_settings(self.method, settings, f'config.{self.method}')
+    object.__setattr__(self, 'settings', settings)
+    if not _is_number(self.scale) or not math.isfinite(self.scale):
+      raise UserError(f'config.scale = {self.scale!r}: must be a finite number')
+    if not _is_integer(self.seed) or self.seed < 0:
+      raise UserError(f'config.seed = {self.seed!r}: must be an integer ≥ 0')
+    if not _is_integer(self.shard_bytes) or self.shard_bytes < 1:
+      raise UserError(f'config.shard_bytes = {self.shard_bytes!r}: must be a positive integer')
+    if not _is_integer(self.prefetch) or self.prefetch < 1:
+      raise UserError(f'config.prefetch = {self.prefetch!r}: must be an integer ≥ 1')
+    if self.allow_nonfinite and (self.ranked or self.global_ties):
+      raise UserError(f'config.allow_nonfinite: {self.method} ranks magnitudes, and a NaN has '
+                      'no rank; it cannot allow non-finite inputs')
+    if self.weights is not None:
+      if self.method in SINGLE_MODEL or not merging.get(self.method).weighted:
+        weighted = [n for n, m in merging.REGISTRY.items() if m.data_free and m.weighted]
+        raise UserError(f'config.weights: {self.method} takes no per-model weights; the '
+                        f'methods that do: {weighted}')
+      if not all(_is_number(w) and math.isfinite(w) for w in self.weights) or \
+          not any(self.weights):
+        raise UserError(f'config.weights = {list(self.weights)}: must be finite numbers, not all '
+                        'zero')
+    if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
+      raise UserError(f'config.dtype = {self.dtype!r}: the output can be written in one of '
+                      f'{sorted(OUTPUT_DTYPES)}')
+
+  @property
+  def ranked(self) -> bool:
+    """Whether each tensor's magnitudes are ranked whole before its blocks merge."""
+    return self.method not in SINGLE_MODEL and merging.get(self.method).ranked
+
+  @property
+  def whole_tensor(self) -> bool:
+    """Whether each tensor is merged whole (DARE's draws span its shape)."""
+    return self.method not in SINGLE_MODEL and merging.get(self.method).whole_tensor
+
+  @property
+  def global_ties(self) -> bool:
+    """TIES (alone or after DARE) ranking each model's magnitudes as a whole: counting passes
+    come first."""
+    ties_follows = self.method == 'ties' or (self.method == 'dare' and
+                                             self.settings['then'] == 'ties')
+    return ties_follows and self.settings['scope'] == 'global'
+
+  def output_dtype(self, base_dtype: np.dtype) -> np.dtype:
+    """The dtype a floating tensor is written in: τ in float32, merged weights in the plan's
+    dtype, else the base's."""
+    if self.method == 'extract':
+      return np.dtype(np.float32)
+    return OUTPUT_DTYPES[self.dtype] if self.dtype else np.dtype(base_dtype)
+
+  def record(self) -> dict[str, Any]:
+    """What the output's bits depend on, as JSON: a partial output resumes only under it."""
+    fields = dataclasses.asdict(self)
+    del fields['prefetch']
+    fields['weights'] = None if self.weights is None else list(self.weights)
+    return fields
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -1,0 +1,175 @@
+"""How each tensor of a streamed merge is merged: through the same `merging` function the suite
+calls, a block at a time by one jitted program, or whole (DARE)."""
+
+import concurrent.futures
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import merging
+from editing import sharding
+from editing import tree as tree_lib
+from editing.errors import UserError
+from editing.models import hf
+from editing.task_vector import TaskVector
+from merging.checkpoints import pipeline
+from merging.checkpoints import plan as plan_lib
+from merging.checkpoints import ranking
+
+_LEAF = 'tensor'  # the name of the one leaf a block's jitted merge sees
+
+
+
+class TensorMerge:
+  """How each tensor is merged: `prepare` checks a tensor's inputs and does what needs the
+  whole tensor (the cuts of its ranked masks; DARE's merge), and `block` merges a block of it
+  with one call of the jitted `_edit_block`; `pool` runs each model's ranking in a thread."""
+
+  def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
+               paths: Sequence[str], plan: plan_lib.Plan, pool: concurrent.futures.Executor):
+    self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
+    self.paths = [base.path] + list(paths)
+    self.labels = tuple(f'model_{i}' for i in range(len(tuned)))
+    self.key = jax.random.PRNGKey(plan.seed)
+    self.mesh = sharding.make_mesh()
+    self.ranking = ranking.TensorRanking(base, tuned, plan, pool, self.key, self.labels)
+
+  def prepare(self, name: str) -> dict:
+    shape, dtype = self.base.header(name)
+    for path, ckpt in zip(self.paths[1:], self.tuned):
+      theirs = ckpt.header(name)
+      if theirs != (shape, dtype):
+        raise UserError(f'{path}: {name} is {theirs[1]}{list(theirs[0])}, the base '
+                        f'{dtype}{list(shape)}')
+    size = math.prod(shape)
+    state = {'name': name, 'dtype': dtype}
+    if not jnp.issubdtype(dtype, jnp.floating):
+      state['copy'] = True  # integer buffers (position ids, masks) are not weights
+    elif self.plan.whole_tensor:
+      state['merged'] = self._merge_whole(name, shape)
+    elif self.plan.ranked:
+      state['cuts'] = self.ranking.cuts(name, size)
+    return state
+
+  def _merge_whole(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor merged whole, op by op under its own name (DARE), flat, as written."""
+    base = self.base.tensor(name)
+    thetas = [c.tensor(name) for c in self.tuned]
+    _check_finite(self.plan, name, self.paths,
+                  [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
+    placed = _split(self.mesh, shape)
+    theta0 = {name: jax.device_put(base, placed)}
+    vectors = task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas],
+                            self.labels)
+    keep = None
+    if self.ranking.rankings is not None:
+      keep = []
+      for model_ranking, vector in zip(self.ranking.rankings, vectors):
+        ranked = np.abs(model_ranking.ranked(name, vector.delta[name])).ravel()
+        keep.append({name: tree_lib.cut_mask(ranked, model_ranking.cut(name, ranked))
+                     .reshape(shape)})
+    edited = edit(self.plan, theta0, vectors, self.key, keep)[name]
+    return self._checked(name, np.asarray(edited).astype(self.plan.output_dtype(base.dtype),
+                                                          copy=False).ravel())
+
+  def block(self, state: dict, start: int, stop: int) -> np.ndarray:
+    name = state['name']
+    if 'copy' in state:
+      return self.base.read(name, start, stop)
+    if 'merged' in state:
+      return state['merged'][start:stop]
+    buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK, state['dtype'])
+    if not self.plan.allow_nonfinite:
+      _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+    cuts = None
+    if 'cuts' in state:
+      cuts = [tuple(tree_lib.Cut(np.float32(c.threshold),
+                                 np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
+                    for c in model_cuts) for model_cuts in state['cuts']]
+    # On one CPU device the program reads the aligned buffers in place; np.asarray waits for
+    # it, after which this thread may read into them again.
+    inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
+              else buffers)
+    edited = np.asarray(_edit_block(self.plan, inputs[0], inputs[1:], cuts))
+    if any(np.may_share_memory(edited, b) for b in buffers):
+      edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
+    # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
+    # overflow is reported by `_checked`, not warned of.
+    with np.errstate(over='ignore'):
+      edited = edited[:stop - start].astype(self.plan.output_dtype(state['dtype']), copy=False)
+    return self._checked(name, edited)
+
+  def _checked(self, name: str, merged: np.ndarray) -> np.ndarray:
+    """`merged`, refused if it holds a NaN or an infinity that finite inputs turned into (a
+    scale that overflows the output's dtype), unless the plan allows them."""
+    if not self.plan.allow_nonfinite and not np.isfinite(merged).all():
+      raise UserError(f'the merged {name} holds non-finite values (NaN or infinity) in '
+                      f'{merged.dtype}; lower config.scale, write another config.dtype, or set '
+                      'config.allow_nonfinite to write it anyway')
+    return merged
+
+
+def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str], finite: Sequence[bool]) -> None:
+  """An error naming the first input whose tensor `name` holds a NaN or an infinity, unless the
+  plan allows them."""
+  for path, ok in zip(paths, finite):
+    if not ok and not plan.allow_nonfinite:
+      raise UserError(f'{path}: {name} holds non-finite values (NaN or infinity); set '
+                      'config.allow_nonfinite to merge it anyway')
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list, cuts: list | None) -> jax.Array:
+  """One block's edit as one XLA program, compiled once per dtype (the block
+  is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, the masks a method
+  ranks drawn from their cuts (relative to the block)."""
+  vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
+                          [f'model_{i}' for i in range(len(thetas))])
+  keep = None
+  if cuts is not None:
+    keep = []
+    for vector, model_cuts in zip(vectors, cuts):
+      masks = [tree_lib.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
+      keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
+  return edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
+
+
+def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+  """An array's placement: its first dimension that the device count divides is split over all
+  devices (every method is elementwise or ranks on the host, so the bits do not change), or
+  it is replicated."""
+  for d, size in enumerate(shape):
+    if size % mesh.size == 0:
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+          *[None] * d, sharding.MESH_AXES))
+  return sharding.replicated(mesh)
+
+
+def task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> list:
+  """τ_t = θ_t − θ0 in float32, one vector per fine-tuned model, over θ0's names."""
+  return [TaskVector({n: jnp.asarray(theta[n], jnp.float32) - jnp.asarray(x, jnp.float32)
+                      for n, x in theta0.items()}, (label,), 'full', 'streamed')
+          for theta, label in zip(tuned, labels)]
+
+
+def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None) -> dict:
+  """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
+  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, the masks ranked beforehand."""
+  if plan.method == 'extract':
+    return dict(vectors[0].delta)
+  if plan.method == 'negation':
+    merged, scale = vectors[0], -plan.scale
+  else:
+    method = merging.get(plan.method)
+    reads = {'key': key} if 'key' in method.reads else {}
+    if plan.weights is not None:
+      reads['weights'] = list(plan.weights)
+    if keep is not None:
+      reads['keep'] = keep
+    merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
+  return merged.apply_to(theta0, scale)
+

@@ -1,0 +1,138 @@
+"""Settings are declared once, beside their method: defaults, ranges and docs come from there."""
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+import merging
+from configs import merge as merge_config
+from configs import merge_checkpoints as merge_checkpoints_config
+from editing import settings
+from editing.errors import UserError
+from editing.task_vector import TaskVector
+from merging import dare
+from merging import ties
+from merging.jobs import merge as merge_job
+
+
+@settings.declare(
+    rate=settings.number(0.5, '(0, 1]', 'a rate'),
+    count=settings.integer(2, '[1, inf)', 'a count'),
+    mode=settings.choice('a', ('a', 'b'), 'a mode'),
+    constraint=settings.Constraint(lambda s: s['rate'] * s['count'] <= 2, 'rate·count ≤ 2'))
+def example(x, *, rate, count, mode, key=None):
+  return x, rate, count, mode, key
+
+
+def test_left_out_settings_take_their_declared_defaults():
+  assert example(1) == (1, 0.5, 2, 'a', None)
+  assert example(1, count=3, key='k') == (1, 0.5, 3, 'a', 'k')
+
+
+@pytest.mark.parametrize('given, message', [
+    (dict(rate=0.0), r'test_settings.rate = 0.0: must be a number in \(0, 1\]'),
+    (dict(rate=float('nan')), r'test_settings.rate = nan: must be a number in \(0, 1\]'),
+    (dict(rate='0.5'), r"test_settings.rate = '0.5': must be a number"),
+    (dict(count=1.5), r'test_settings.count = 1.5: must be an integer in \[1, inf\)'),
+    (dict(count=True), r'test_settings.count = True: must be an integer'),
+    (dict(mode='c'), r"test_settings.mode = 'c': must be one of \['a', 'b'\]"),
+    (dict(rate=1.0, count=3), r'test_settings.rate = 1.0, test_settings.count = 3: rate·count ≤ 2'),
+])
+def test_a_value_outside_its_declaration_is_refused_naming_it(given, message):
+  with pytest.raises(UserError, match=message):
+    example(1, **given)
+
+
+def test_an_integer_stands_for_a_number_and_becomes_a_float():
+  assert settings.check(example, {'rate': 1}, 'config.example') == \
+      {'rate': 1.0, 'count': 2, 'mode': 'a'}
+  assert isinstance(example(0, rate=1)[1], float)
+
+
+@pytest.mark.parametrize('interval, value, allowed', [
+    ('[0, 1)', 0.0, True), ('[0, 1)', 1.0, False), ('(0, 1]', 0.0, False), ('(0, 1]', 1.0, True),
+    ('(-inf, inf)', -1e300, True), ('[0, inf)', float('inf'), False), ('[1, 2]', 1.5, True)])
+def test_interval_ends_are_open_or_closed_as_written(interval, value, allowed):
+  setting = settings.Setting(None, 'a number', float, interval=interval)
+  if allowed:
+    assert setting.check(value, 'x') == value
+  else:
+    with pytest.raises(UserError, match=rf'x = {value!r}: must be a number in'):
+      setting.check(value, 'x')
+
+
+def test_a_declared_name_must_be_a_keyword_only_parameter():
+  with pytest.raises(TypeError, match="declares 'rate'"):
+    settings.declare(rate=settings.number(0.5, '(0, 1]', ''))(lambda x, rate=0.5: x)
+
+
+def test_internal_arguments_are_not_settings():
+  for name, method in merging.REGISTRY.items():
+    assert not {'keep', 'key', 'weights', 'theta0', 'data', 'apply_fn', 'trigger',
+                'masks'} & set(method.settings), name
+  assert set(merging.get('ties').settings) == {'density', 'scope', 'normalize'}
+  with pytest.raises(UserError, match=r'config.ties.keep is not a setting; the settings: '
+                                      r"\['density', 'normalize', 'scope'\]"):
+    merging.check_settings('ties', {'keep': 'foo'}, 'config.ties')
+
+
+def test_a_partial_binds_its_settings_out_of_the_config():
+  assert 'granularity' not in merging.get('adamerging_layer').settings
+  assert merging.get('adamerging_layer').merge.keywords == {'granularity': 'layer'}
+  assert set(merging.get('dam_shared').settings) == set(merging.get('dam').settings)
+
+
+def test_configs_take_every_default_from_the_declarations():
+  config = merge_config.get_config()
+  for section in merging.SECTIONS:
+    declared = {k: s.default for k, s in merging.get(section).settings.items()}
+    given = dict(config[section].items())
+    overridden = {'adamerging_task': {'steps'}, 'adamerging_layer': {'steps'}}.get(section, set())
+    assert {k: v for k, v in given.items() if k not in overridden} == \
+        {k: v for k, v in declared.items() if k not in overridden}, section
+  checkpoint_config = merge_checkpoints_config.get_config()
+  assert checkpoint_config.ties.density == ties.merge.settings['density'].default == 0.2
+  assert checkpoint_config.ties.scope == 'tensor' != ties.merge.settings['scope'].default
+
+
+def test_dare_shares_ties_declarations_of_what_it_passes_on():
+  assert dare.merge.settings['density'] is ties.merge.settings['density']
+  assert dare.merge.settings['scope'] is ties.merge.settings['scope']
+
+
+def test_a_sweep_is_written_apart_from_the_values():
+  config = merge_config.get_config()
+  config.ties.scope = 'tensor'
+  config.sweep.ties.density = (0.1, 0.3)
+  config.sweep.ties.normalize = (True, False)
+  grid = merge_job.hyperparameter_grid(config, 'ties')
+  assert grid == [{'density': d, 'scope': 'tensor', 'normalize': n}
+                  for d in (0.1, 0.3) for n in (True, False)]
+  assert merge_job.swept(config, 'ties') == ['density', 'normalize']
+  assert merge_job.hyperparameter_grid(config, 'task_arithmetic') == [{'normalize': False}]
+  assert merge_job.hyperparameter_grid(config, 'dam_shared') == \
+      merge_job.hyperparameter_grid(config, 'dam')
+
+
+@pytest.mark.parametrize('axis, message', [
+    ((), r'config.sweep.ties.density is an empty grid'),
+    ((0.1, '0.2'), r"config.sweep.ties.density = '0.2': must be a number in \(0, 1\]"),
+    ((0.1, 1.5), r'config.sweep.ties.density = 1.5: must be a number in \(0, 1\]'),
+])
+def test_every_value_of_a_sweep_is_checked(axis, message):
+  config = merge_config.get_config()
+  config.sweep.ties.density = axis
+  with pytest.raises(UserError, match=message):
+    merge_job.hyperparameter_grid(config, 'ties')
+
+
+def test_a_merge_called_from_python_checks_its_settings_too():
+  vector = TaskVector({'w': np.ones((2, 3), np.float32)}, ('a',), 'full', 'base')
+  with pytest.raises(UserError, match=r'ties.density = 1.5: must be a number in \(0, 1\]'):
+    ties.merge([vector], density=1.5)
+  with pytest.raises(UserError, match=r'breadcrumbs.top = 0.5, breadcrumbs.bottom = 0.6'):
+    merging.get('breadcrumbs').merge([vector], top=0.5, bottom=0.6)
+  merged = functools.partial(ties.merge, density=1.0)([vector, vector]).delta['w']
+  assert math.isclose(float(merged.sum()), 6.0)
