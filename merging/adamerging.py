@@ -19,12 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
 GRANULARITIES = ('task', 'layer')
+SETTINGS = dict(
+    granularity=settings.choice('task', GRANULARITIES, 'one λ per task vector, or per leaf too'),
+    steps=settings.integer(100, '[1, inf)', 'Adam steps on the entropy'),
+    learning_rate=settings.number(1e-3, '(0, inf)', "Adam's learning rate for λ"),
+    init=settings.number(0.3, '(-inf, inf)', "every λ's initial value"),
+    batch_size=settings.integer(16, '[1, inf)', 'unlabeled inputs per task and step'))
 
 
 class Learned(NamedTuple):
@@ -48,10 +55,10 @@ def entropy(logits: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.sum(jnp.exp(log_p) * log_p, axis=-1))
 
 
+@settings.declare(**SETTINGS)
 def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
-          data: Mapping[str, common.TaskData], key: jax.Array, granularity: str = 'task',
-          steps: int = 100, learning_rate: float = 1e-3, init: float = 0.3,
-          batch_size: int = 16) -> Learned:
+          data: Mapping[str, common.TaskData], key: jax.Array, granularity: str, steps: int,
+          learning_rate: float, init: float, batch_size: int) -> Learned:
   """Fits the coefficients; `data[t].images` of every task t of the vectors are the inputs."""
   check_compatible(task_vectors, 'adamerging')
   tasks = {t: common.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
@@ -109,11 +116,9 @@ def batch(images: np.ndarray, size: int, key: jax.Array) -> np.ndarray:
   return images[np.sort(np.asarray(jax.random.permutation(key, len(images))[:size]))]
 
 
+@settings.declare(**SETTINGS)
 def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
-          data: Mapping[str, common.TaskData], key: jax.Array, granularity: str = 'task',
-          steps: int = 100, learning_rate: float = 1e-3, init: float = 0.3,
-          batch_size: int = 16) -> TaskVector:
-  """Σ_k λ_k τ_k with the learned coefficients."""
-  learned = learn(task_vectors, theta0=theta0, data=data, key=key, granularity=granularity,
-                  steps=steps, learning_rate=learning_rate, init=init, batch_size=batch_size)
+          data: Mapping[str, common.TaskData], key: jax.Array, **learned_with) -> TaskVector:
+  """Σ_k λ_k τ_k with the coefficients `learn` fits (`learned_with`: its settings)."""
+  learned = learn(task_vectors, theta0=theta0, data=data, key=key, **learned_with)
   return common.merged(task_vectors, merged_delta(task_vectors, learned.coefficients))
