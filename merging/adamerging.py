@@ -9,12 +9,16 @@ Yang et al., "AdaMerging: Adaptive Model Merging for Multi-Task Learning", ICLR 
 with λ initialised at 0.3 and Adam (lr 1e-3) on batches of 16 unlabeled test inputs per task;
 gradients flow through the merged params by `jax.grad`. No label is read. The coefficients are
 not clipped (the paper states no bound). The result, Σ_k λ_k τ_k, is applied at λ = 1.
+
+The step is compiled once for every merge of the same shapes, whatever the vectors, heads and
+learning rate (`compiled_once`).
 """
 
 import functools
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -41,12 +45,14 @@ class Learned(NamedTuple):
 
 def merged_delta(task_vectors: Sequence[TaskVector], coefficients) -> common.PyTree:
   """Σ_k λ_k τ_k, with λ_k a scalar (task-wise) or one per leaf (layer-wise)."""
+  return _weighted_sum([v.delta for v in task_vectors], coefficients)
+
+
+def _weighted_sum(deltas: Sequence[common.PyTree], coefficients) -> common.PyTree:
   if isinstance(coefficients, dict):
     return tree_lib.map_with_path(
-        lambda path, *ds: sum(coefficients[path][k] * d for k, d in enumerate(ds)),
-        *[v.delta for v in task_vectors])
-  return jax.tree.map(lambda *ds: sum(coefficients[k] * d for k, d in enumerate(ds)),
-                      *[v.delta for v in task_vectors])
+        lambda path, *ds: sum(coefficients[path][k] * d for k, d in enumerate(ds)), *deltas)
+  return jax.tree.map(lambda *ds: sum(coefficients[k] * d for k, d in enumerate(ds)), *deltas)
 
 
 def entropy(logits: jax.Array) -> jax.Array:
@@ -63,39 +69,71 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   check_compatible(task_vectors, 'adamerging')
   tasks = {t: common.task_of(v, data, 'adamerging') for v in task_vectors for t in v.tasks}
   coefficients = initial_coefficients(len(task_vectors), theta0, granularity, init)
-  tx, step = _step(tuple((t, d.logits_fn) for t, d in tasks.items()), learning_rate)
+  logits_fns = [d.logits_fn for d in tasks.values()]
+  # The learning rate is state rather than a constant of the program, which is then the same
+  # for every learning rate.
+  tx = optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate)
+
+  def step(coefficients, opt_state, batches, theta0, deltas):
+    def objective(coefficients):
+      params = jax.tree.map(jnp.add, theta0, _weighted_sum(deltas, coefficients))
+      return sum(entropy(f(params, b)) for f, b in zip(logits_fns, batches))
+
+    value, grads = jax.value_and_grad(objective)(coefficients)
+    updates, opt_state = tx.update(grads, opt_state, coefficients)
+    return optax.apply_updates(coefficients, updates), opt_state, value
+
   opt_state = tx.init(coefficients)
+  # Deltas rather than vectors, whose task names would be part of the program; every batch
+  # has the shape of a task's first `batch_size` images.
+  deltas = [v.delta for v in task_vectors]
+  step = compiled_once(step, coefficients, opt_state,
+                       [d.images[:batch_size] for d in tasks.values()], theta0, deltas)
   entropies = []
   for i in range(steps):
-    batches = {t: batch(d.images, batch_size, jax.random.fold_in(
-        jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in tasks.items()}
-    coefficients, opt_state, value = step(coefficients, opt_state, batches, theta0,
-                                          list(task_vectors))
+    batches = [batch(d.images, batch_size, jax.random.fold_in(
+        jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in tasks.items()]
+    coefficients, opt_state, value = step(coefficients, opt_state, batches, theta0, deltas)
     entropies.append(float(value))
   return Learned(coefficients, entropies)
 
 
-@functools.lru_cache(maxsize=16)
-def _step(logits_fns: tuple[tuple[str, common.LogitsFn], ...], learning_rate: float):
-  """(optimizer, jitted step), built once per task set and learning rate so that repeated
-  merges reuse one compiled program.
+def compiled_once(fn: Callable, *args) -> Callable:
+  """fn, compiled for arguments shaped and placed like `args`, once for every call that
+  builds the same program.
 
-  θ0 and the vectors are arguments, not closed-over constants: compiling megabytes of
-  constants is slow, and as arguments every merge of same-shaped vectors shares one program.
+  The arrays fn reads from its closure (the heads and θ0 that the merge job's logits
+  functions close over) become arguments of the program rather than constants in it, so
+  closures built anew for every merge, over other arrays of the same shapes, lower to the
+  same program; programs are told apart by their StableHLO text and argument and result
+  structures, as JAX's persistent compilation cache tells them apart.
   """
-  tx = optax.adam(learning_rate)
+  closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+  jaxpr, consts = closed.jaxpr, closed.consts
+  hoisted = jax.jit(lambda constants, *inputs: jax_core.jaxpr_as_fun(
+      jax_core.ClosedJaxpr(jaxpr, constants))(*jax.tree.leaves(inputs)))
+  compiled = _compile(_Program(hoisted.lower(consts, *args)))
+  results = jax.tree.structure(shapes)
+  return lambda *args: jax.tree.unflatten(results, compiled(consts, *args))
 
-  def objective(coefficients, batches, theta0, task_vectors):
-    params = jax.tree.map(jnp.add, theta0, merged_delta(task_vectors, coefficients))
-    return sum(entropy(logits_fn(params, batches[t])) for t, logits_fn in logits_fns)
 
-  @jax.jit
-  def step(coefficients, opt_state, batches, theta0, task_vectors):
-    value, grads = jax.value_and_grad(objective)(coefficients, batches, theta0, task_vectors)
-    updates, opt_state = tx.update(grads, opt_state, coefficients)
-    return optax.apply_updates(coefficients, updates), opt_state, value
+class _Program:
+  """A lowered program, equal to another of the same text and argument and result structures."""
 
-  return tx, step
+  def __init__(self, lowered: jax.stages.Lowered):
+    self.lowered = lowered
+    self._key = (lowered.as_text(), lowered.in_tree, lowered.out_tree)
+
+  def __eq__(self, other):
+    return isinstance(other, _Program) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(program: _Program) -> jax.stages.Compiled:
+  return program.lowered.compile()
 
 
 def initial_coefficients(count: int, theta0: common.PyTree, granularity: str,
