@@ -27,6 +27,7 @@ from editing import checkpoint
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import evaluate
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
@@ -117,6 +118,12 @@ class Case:
   message: str  # a regex the error must match
 
 
+def fine_tune_digits(overrides: dict) -> Callable[[str], object]:
+  """The call that fine-tunes digits (attention-only) under the tiny config with `overrides`."""
+  return lambda workdir: finetune.run(tiny(**overrides), workdir, 'digits',
+                                      experiment.regime(tiny(), 'attention_only'))
+
+
 def vector_file(task):
   return lambda workdir: workdir_lib.task_vector_file(workdir, 'full', task)
 
@@ -152,18 +159,15 @@ CASES = (
          r'evaluation was made with other settings \(suite.seed: 0 then, 1 now\)'),
     Case('zero fine-tuning steps',
          lambda w: None,
-         lambda w: finetune.run(tiny(**{'finetune.steps': 0}), w, 'digits',
-                                experiment.regime(tiny(), 'attention_only')),
+         fine_tune_digits({'finetune.steps': 0}),
          r'config.finetune.steps = 0: must be an integer ≥ 1'),
     Case('negative fine-tuning steps',
          lambda w: None,
-         lambda w: finetune.run(tiny(**{'finetune.steps': -5}), w, 'digits',
-                                experiment.regime(tiny(), 'attention_only')),
+         fine_tune_digits({'finetune.steps': -5}),
          r'config.finetune.steps = -5: must be an integer ≥ 1'),
     Case('a poison rate above 1',
          lambda w: None,
-         lambda w: finetune.run(tiny(**{'poison.rate': 1.5, 'poison.tasks': 'digits'}), w,
-                                'digits', experiment.regime(tiny(), 'attention_only')),
+         fine_tune_digits({'poison.rate': 1.5, 'poison.tasks': 'digits'}),
          r'config.poison.rate = 1.5: must be a number in \[0, 1\]'),
     Case('a backbone file of another model',
          other_model_in_pretrain,
@@ -183,8 +187,7 @@ CASES = (
          r'config.ties.density = 0.0: must be a number in \(0, 1\]'),
     Case('a backbone of another model at finetune',
          lambda w: None,
-         lambda w: finetune.run(tiny(**{'model.width': 48}), w, 'digits',
-                                experiment.regime(tiny(), 'full')),
+         fine_tune_digits({'model.width': 48}),
          r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
     Case('a backbone of another model at evaluate',
          lambda w: None,
@@ -264,10 +267,10 @@ def test_config_values_are_valid_or_named(data):
   section, name = key.split('.')
   config[section][name] = value
   if valid(value):
-    experiment.validate(config)
+    checks.validate(config)
   else:
     with pytest.raises(UserError, match=rf'^config\.{key} = '):
-      experiment.validate(config)
+      checks.validate(config)
 
 
 DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, np.int32)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from editing import tree
 from editing.data import suite
-from editing.jobs import experiment
 from pairwise_interference import load, run, save
 
 TARGETS = ('count', 'digits', 'position')
@@ -40,11 +39,11 @@ def _restricted(vector, pattern, keep):
 
 
 def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
-  config, theta0, apply_fn, vectors, evaluator = load(workdir, seed)
+  exp = load(workdir, seed)
+  theta0, vectors, evaluator = exp.theta0, exp.vectors('full'), exp.evaluator('full')
   table = {}
   for t in TARGETS:
-    data = experiment.load_task(config, t)
-    head = experiment.head(config, workdir, data, theta0, apply_fn)
+    data, head = exp.task(t), exp.head(t)
     others = sum(vectors[s] for s in suite.DOWNSTREAM_TASKS if s != t)
 
     def accuracy(vector):

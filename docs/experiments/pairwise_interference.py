@@ -17,14 +17,11 @@ from editing.data import suite
 from editing.jobs import experiment
 
 
-def load(workdir: str, seed: int):
-  """The config, θ0, encoder, full task vectors by task, and evaluator of a quickstart workdir."""
+def load(workdir: str, seed: int) -> experiment.Experiment:
+  """The experiment of a quickstart workdir made at suite seed `seed`."""
   config = quickstart_config.get_config(None)
   config.suite.seed = seed
-  theta0, apply_fn = experiment.load_pretrained(workdir)
-  vectors = experiment.load_task_vectors(workdir, 'full', suite.DOWNSTREAM_TASKS, theta0)
-  return (config, theta0, apply_fn, dict(zip(suite.DOWNSTREAM_TASKS, vectors)),
-          experiment.evaluator(config, apply_fn, 'full'))
+  return experiment.Experiment.load(config, workdir)
 
 
 def save(out: dict, name: str) -> dict:
@@ -41,10 +38,10 @@ def run(main) -> None:
 
 
 def main(workdir: str, alpha: float = 0.55, seed: int = 0) -> dict:
-  config, theta0, apply_fn, vectors, evaluator = load(workdir, seed)
+  exp = load(workdir, seed)
+  theta0, vectors, evaluator = exp.theta0, exp.vectors('full'), exp.evaluator('full')
   tasks = list(suite.DOWNSTREAM_TASKS)
-  data = {t: experiment.load_task(config, t) for t in tasks}
-  heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in tasks}
+  data, heads = exp.data(tasks), exp.heads(tasks)
   table = {}
   for t in tasks:
     table[t] = {}

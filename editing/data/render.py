@@ -16,41 +16,40 @@ _Y, _X = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
 TEXTURES = ('flat', 'stripes_h', 'stripes_v', 'stripes_diag', 'checker', 'dots')
 SHAPES = ('disk', 'square', 'triangle', 'plus', 'ring', 'ellipse', 'frame', 'half_disk')
 
-# 5x7 bitmaps of ten capital letters, one string per row.
-GLYPHS = {
+# 5x7 bitmaps of the capital letters, one string per row.
+_ALPHABET = {
     'A': ('.###.', '#...#', '#...#', '#####', '#...#', '#...#', '#...#'),
-    'E': ('#####', '#....', '#....', '####.', '#....', '#....', '#####'),
-    'F': ('#####', '#....', '#....', '####.', '#....', '#....', '#....'),
-    'H': ('#...#', '#...#', '#...#', '#####', '#...#', '#...#', '#...#'),
-    'K': ('#...#', '#..#.', '#.#..', '##...', '#.#..', '#..#.', '#...#'),
-    'L': ('#....', '#....', '#....', '#....', '#....', '#....', '#####'),
-    'N': ('#...#', '##..#', '#.#.#', '#..##', '#...#', '#...#', '#...#'),
-    'T': ('#####', '..#..', '..#..', '..#..', '..#..', '..#..', '..#..'),
-    'X': ('#...#', '#...#', '.#.#.', '..#..', '.#.#.', '#...#', '#...#'),
-    'Z': ('#####', '....#', '...#.', '..#..', '.#...', '#....', '#####'),
-}
-
-
-# Sixteen more capitals, never a downstream label: the pretraining corpus draws its glyphs from
-# these, so that strokes are familiar to the backbone while the letters task stays unseen.
-PRETRAINING_GLYPHS = {
     'B': ('####.', '#...#', '#...#', '####.', '#...#', '#...#', '####.'),
     'C': ('.####', '#....', '#....', '#....', '#....', '#....', '.####'),
     'D': ('####.', '#...#', '#...#', '#...#', '#...#', '#...#', '####.'),
+    'E': ('#####', '#....', '#....', '####.', '#....', '#....', '#####'),
+    'F': ('#####', '#....', '#....', '####.', '#....', '#....', '#....'),
     'G': ('.####', '#....', '#....', '#.###', '#...#', '#...#', '.###.'),
+    'H': ('#...#', '#...#', '#...#', '#####', '#...#', '#...#', '#...#'),
     'I': ('#####', '..#..', '..#..', '..#..', '..#..', '..#..', '#####'),
     'J': ('..###', '....#', '....#', '....#', '#...#', '#...#', '.###.'),
+    'K': ('#...#', '#..#.', '#.#..', '##...', '#.#..', '#..#.', '#...#'),
+    'L': ('#....', '#....', '#....', '#....', '#....', '#....', '#####'),
     'M': ('#...#', '##.##', '#.#.#', '#.#.#', '#...#', '#...#', '#...#'),
+    'N': ('#...#', '##..#', '#.#.#', '#..##', '#...#', '#...#', '#...#'),
     'O': ('.###.', '#...#', '#...#', '#...#', '#...#', '#...#', '.###.'),
     'P': ('####.', '#...#', '#...#', '####.', '#....', '#....', '#....'),
     'Q': ('.###.', '#...#', '#...#', '#...#', '#.#.#', '#..#.', '.##.#'),
     'R': ('####.', '#...#', '#...#', '####.', '#.#..', '#..#.', '#...#'),
     'S': ('.####', '#....', '#....', '.###.', '....#', '....#', '####.'),
+    'T': ('#####', '..#..', '..#..', '..#..', '..#..', '..#..', '..#..'),
     'U': ('#...#', '#...#', '#...#', '#...#', '#...#', '#...#', '.###.'),
     'V': ('#...#', '#...#', '#...#', '#...#', '#...#', '.#.#.', '..#..'),
     'W': ('#...#', '#...#', '#...#', '#.#.#', '#.#.#', '##.##', '#...#'),
+    'X': ('#...#', '#...#', '.#.#.', '..#..', '.#.#.', '#...#', '#...#'),
     'Y': ('#...#', '#...#', '.#.#.', '..#..', '..#..', '..#..', '..#..'),
+    'Z': ('#####', '....#', '...#.', '..#..', '.#...', '#....', '#####'),
 }
+# Ten of them are the letters task's labels; the pretraining corpus draws its glyphs from the
+# other sixteen, so that strokes are familiar to the backbone while the letters task stays
+# unseen.
+GLYPHS = {k: v for k, v in _ALPHABET.items() if k in 'AEFHKLNTXZ'}
+PRETRAINING_GLYPHS = {k: v for k, v in _ALPHABET.items() if k not in GLYPHS}
 
 
 def random_color(rng: np.random.Generator, hue: float | None = None) -> np.ndarray:
@@ -128,7 +127,7 @@ def shape_mask(kind: str, cx: float, cy: float, radius: float, angle: float = 0.
 def glyph_mask(letter: str, x0: int, y0: int, scale: int) -> np.ndarray:
   """A (SIZE, SIZE) mask of a 5x7 bitmap letter (of GLYPHS or PRETRAINING_GLYPHS) drawn with
   `scale`-pixel cells from (x0, y0)."""
-  rows = GLYPHS[letter] if letter in GLYPHS else PRETRAINING_GLYPHS[letter]
+  rows = _ALPHABET[letter]
   bitmap = np.array([[c == '#' for c in row] for row in rows], np.float32)
   cells = np.kron(bitmap, np.ones((scale, scale), np.float32))
   mask = np.zeros((SIZE, SIZE), np.float32)

@@ -25,13 +25,14 @@ from editing import regimes
 from editing import train
 from editing import tree as tree_lib
 from editing.data import suite
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.models import head as head_lib
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Times `config.benchmark.steps` steps of every regime; writes <workdir>/benchmark.json."""
-  experiment.validate(config)
+  checks.validate(config)
   settings = config.benchmark
   module, apply_fn = experiment.model(config.model)
   task = suite.load_task(settings.task, seed=settings.seed,

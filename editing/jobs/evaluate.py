@@ -12,6 +12,7 @@ from editing import atomic
 from editing import evaluate
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import report
 from editing.jobs import workdir as workdir_lib
@@ -20,38 +21,34 @@ from editing.jobs import workdir as workdir_lib
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs every protocol for every regime of `config.regimes`; writes <workdir>/results.json
   and report.md, and per regime evaluation/<regime>/."""
-  experiment.validate(config)
-  names = experiment.tasks(config)
+  checks.validate(config)
   regimes = [r.name for r in experiment.configured_regimes(config)]
-  pairs = disentanglement_pairs(config, names)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
-  vectors = {r: dict(zip(names, experiment.load_task_vectors(workdir, r, names, theta0)))
-             for r in regimes}
+  pairs = disentanglement_pairs(config, experiment.tasks(config))
+  exp = experiment.Experiment.load(config, workdir)
+  for regime in regimes:
+    exp.vectors(regime)
   # What the numbers depend on besides the vectors: a workdir evaluated under other data or
   # heads is refused, as fine-tuning refuses it.
   workdir_lib.check_job_config(
       workdir_lib.evaluation_root(workdir),
       {**experiment.data_settings(config, 'train_size', 'pretrain_size'),
-       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0),
+       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(exp.theta0),
        **experiment.precision_settings(config)})
   workdir_lib.use_compilation_cache(workdir)
   control = experiment.control_task(config)
-  if control in names:
-    raise UserError(f'the control task {control!r} is also one of the tasks ({",".join(names)}); '
-                    'negation needs a control that no task vector was fine-tuned on')
-  data = {t: experiment.load_task(config, t) for t in names + [control]}
-  heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in data}
-  pretrained_evaluator = experiment.evaluator(config, apply_fn, 'full')
-  pretrained = {t: pretrained_evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
-                for t in data}
-  results = {'tasks': names, 'control_task': control, 'regimes': {}}
+  if control in exp.tasks:
+    raise UserError(f'the control task {control!r} is also one of the tasks '
+                    f'({",".join(exp.tasks)}); negation needs a control that no task vector '
+                    'was fine-tuned on')
+  scored = exp.tasks + [control]
+  pretrained = {t: exp.evaluator('full').accuracy(exp.theta0, exp.theta0, exp.head(t),
+                                                  exp.task(t).test) for t in scored}
+  results = {'tasks': exp.tasks, 'control_task': control, 'regimes': {}}
   for regime in regimes:
-    results['regimes'][regime] = evaluate_regime(config, workdir, regime, theta0, apply_fn,
-                                                 vectors[regime], data, control, heads,
-                                                 pretrained, pairs)
+    results['regimes'][regime] = evaluate_regime(exp, regime, control, pretrained, pairs)
   atomic.write_json(os.path.join(workdir, 'results.json'), results)
   atomic.write_bytes(os.path.join(workdir, 'report.md'),
-                                report.comparison_markdown(results).encode())
+                     report.comparison_markdown(results).encode())
   print(report.comparison_table(results))
   return results
 
@@ -72,12 +69,13 @@ def disentanglement_pairs(config: ml_collections.ConfigDict,
   return pairs
 
 
-def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, control, heads,
-                    pretrained, pairs) -> dict:
-  """The protocols for one regime's task vectors ({task: vector}), the task `control` held
-  out of them; also written to evaluation/<regime>/."""
-  names = [t for t in data if t != control]
-  evaluator = experiment.evaluator(config, apply_fn, regime)
+def evaluate_regime(exp: experiment.Experiment, regime: str, control: str, pretrained: dict,
+                    pairs: list[tuple[str, str]]) -> dict:
+  """The protocols for one regime's task vectors, the task `control` held out of them; also
+  written to evaluation/<regime>/."""
+  config, theta0, names = exp.config, exp.theta0, exp.tasks
+  vectors, evaluator = exp.vectors(regime), exp.evaluator(regime)
+  data, heads = exp.data(names + [control]), exp.heads(names + [control])
   alphas = evaluate.alpha_grid(config.eval.alpha_step)
 
   logging.info('%s: single-task accuracies', regime)
@@ -116,10 +114,10 @@ def evaluate_regime(config, workdir, regime, theta0, apply_fn, vectors, data, co
              'negation': negation, 'negation_threshold': config.eval.negation_threshold,
              'disentanglement': {'alphas': grid, 'xi': xi,
                                  'mean': float(np.mean(list(xi.values()))) if xi else None}}
-  directory = workdir_lib.evaluation_dir(workdir, regime)
+  directory = workdir_lib.evaluation_dir(exp.workdir, regime)
   atomic.write_json(os.path.join(directory, 'results.json'), results)
   atomic.write_bytes(os.path.join(directory, 'report.md'),
-                                report.markdown(results).encode())
+                     report.markdown(results).encode())
   report.plot_alpha_curves(results, os.path.join(directory, 'alpha_curves.png'))
   if xi:
     report.plot_disentanglement(results, os.path.join(directory, 'disentanglement.png'))

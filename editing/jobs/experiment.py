@@ -1,17 +1,17 @@
 """What every job reads from an experiment's config and workdir: the tasks, regimes and triggers
 it names, their data, the mesh, the model, the pretrained backbone θ0, the frozen heads and the
-evaluator; and `validate`, the check every job makes before it writes anything.
+evaluator, gathered once in an `Experiment`. (The check every job makes of its config before it
+writes anything: `editing.jobs.checks`.)
 
 The data is the built-in suite (`config.suite`), or, when the config has a `data` section
 (configs/clip_8task.py), datasets on local disk: <config.data_root>/<name> in any layout
 `editing.data.images` reads, with the control task of negation named by `config.data.control`.
 """
 
-import fnmatch
+import dataclasses
 import functools
 import json
 import math
-import numbers
 import os
 from typing import Any, Callable, Sequence
 
@@ -34,92 +34,6 @@ from editing.models import text
 from editing.models import vit
 from editing.models import zero_shot
 from editing.task_vector import TaskVector
-
-
-def _integer(low: int) -> tuple[Callable[[Any], bool], str]:
-  return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low,
-          f'an integer ≥ {low}')
-
-
-def _number(low: float, high: float, *, open_low: bool = False,
-            open_high: bool = False) -> tuple[Callable[[Any], bool], str]:
-  def test(v):
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-      return False
-    return (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
-
-  return test, f'a number in {"(" if open_low else "["}{low:g}, {high:g}{")" if open_high else "]"}'
-
-
-_INF = float('inf')
-# (glob over dotted config keys, (test, what it must be)); the first matching rule applies, and
-# a tuple value (a merge grid) is checked value by value.
-_RANGES = (
-    ('*.warmup_steps', _integer(0)),
-    ('*steps', _integer(1)),
-    ('*batch_size', _integer(1)),
-    ('*_every', _integer(1)),
-    ('benchmark.image_size', _integer(0)),
-    ('*_size', _integer(1)),
-    ('*.rounds', _integer(1)),
-    ('*.accumulation', _integer(1)),
-    ('*.seed', _integer(0)),
-    ('seed', _integer(0)),
-    ('num_devices', _integer(0)),
-    ('sharding.fsdp', _integer(1)),
-    ('sharding.tensor', _integer(1)),
-    ('poison.target', _integer(0)),
-    ('eval.disentanglement_points', _integer(1)),
-    ('merge.train_examples', _integer(1)),
-    ('*learning_rate', _number(0, _INF, open_low=True)),
-    ('*logit_scale', _number(0, _INF, open_low=True)),
-    ('*.grad_clip', _number(0, _INF, open_low=True)),
-    ('*.weight_decay', _number(0, _INF)),
-    ('*.val_fraction', _number(0, 1, open_low=True, open_high=True)),
-    ('data.epochs.*', _number(0, _INF, open_low=True)),
-    ('poison.rate', _number(0, 1)),
-    ('talos.keep', _number(0, 1, open_low=True)),
-    ('*_step', _number(0, 1, open_low=True)),
-    ('eval.negation_threshold', _number(0, 1)),
-    ('eval.disentanglement_limit', _number(0, _INF, open_low=True)),
-    ('blended.ratio', _number(0, 1)),
-    ('benchmark.peak_flops', _number(0, _INF)),
-)
-
-
-def validate(config: ml_collections.ConfigDict, declared: Sequence[str] = ()) -> None:
-  """Every range-checked value of the config, the device count and the batch sizes it divides.
-
-  Jobs call this first, so that a bad value is refused before anything is written. The
-  sections in `declared` hold settings their functions declare (`editing.settings`), which are
-  checked there and skipped here, as is a value left unset (None).
-  """
-  flat = workdir_lib.dotted(config.to_dict())
-  for key, value in flat.items():
-    if key.split('.')[0] in declared or value is None:
-      continue
-    for pattern, (test, expected) in _RANGES:
-      if fnmatch.fnmatchcase(key, pattern):
-        for v in value if isinstance(value, tuple) else (value,):
-          if not test(v):
-            raise UserError(f'config.{key} = {v!r}: must be {expected}')
-        break
-  visible = len(jax.devices())
-  if config.get('num_devices', 0) > visible:
-    raise UserError(f'config.num_devices = {config.num_devices}, but {visible} devices are '
-                    'visible')
-  devices = config.get('num_devices', 0) or visible
-  layout = config.get('sharding') or {}
-  model_parallel = layout.get('fsdp', 1) * layout.get('tensor', 1)
-  if devices % model_parallel:
-    raise UserError(f'config.sharding: fsdp × tensor = {model_parallel} does not divide the '
-                    f'{devices} devices')
-  batch_devices = devices // layout.get('tensor', 1)
-  for key, value in flat.items():
-    if key.endswith('batch_size') and key.split('.')[0] in ('pretrain', 'finetune', 'eval') \
-        and value % batch_devices:
-      raise UserError(f'config.{key} = {value} is not divisible by the {batch_devices} devices '
-                      f'of the data and fsdp axes; use a multiple of {batch_devices}')
 
 
 def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list[str]:
@@ -296,16 +210,15 @@ def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],
   A vector must exist, be finite, match θ0's tree and carry θ0's fingerprint as its base:
   a vector fine-tuned from another backbone is refused, naming its file.
   """
-  base = tree_lib.fingerprint(theta0)
-  missing = [t for t in tasks if not os.path.exists(workdir_lib.task_vector_file(workdir, regime,
-                                                                                 t))]
+  paths = [workdir_lib.task_vector_file(workdir, regime, t) for t in tasks]
+  missing = [t for t, path in zip(tasks, paths) if not os.path.exists(path)]
   if missing:
     raise FileNotFoundError(f'no {regime} task vector for {missing} in {workdir}; run '
                             'launch.finetune (or launch.quickstart) with this --workdir and '
                             'regime first')
+  base = tree_lib.fingerprint(theta0)
   vectors = []
-  for t in tasks:
-    path = workdir_lib.task_vector_file(workdir, regime, t)
+  for path in paths:
     vector, _ = checkpoint.load_task_vector(path)
     if vector.base != base:
       raise UserError(f'{path} was fine-tuned from the backbone with fingerprint {vector.base}, '
@@ -357,3 +270,69 @@ def zero_shot_head(config: ml_collections.ConfigDict, task: suite.Task):
   params, model, tokenizer = _text_tower(config.weights)
   classnames = [c.replace('_', ' ') for c in task.train.classes]
   return zero_shot.head(params, model, tokenizer, classnames, templates)
+
+
+@dataclasses.dataclass(eq=False)
+class Experiment:
+  """One experiment as every job reads it, each part loaded once, when first used.
+
+  θ0 is loaded (and checked against config.model) at `load`; the tasks' data, their frozen
+  heads (fitted on θ0 and cached in the workdir the first time), each regime's task vectors
+  and evaluator when a job first asks for them, so that a job checks what it must before any
+  of them is made.
+
+  Attributes:
+    config: the experiment's config.
+    workdir: its workdir.
+    tasks: the downstream tasks the config names.
+    theta0: the pretrained params.
+    apply_fn: apply_fn(params, images) of the model.
+  """
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  tasks: list[str]
+  theta0: Any
+  apply_fn: Callable
+
+  @classmethod
+  def load(cls, config: ml_collections.ConfigDict, workdir: str) -> 'Experiment':
+    theta0, apply_fn = load_pretrained(workdir, config.model)
+    return cls(config, workdir, tasks(config), theta0, apply_fn)
+
+  def task(self, name: str) -> suite.Task:
+    """A task's data (a downstream task or the control), loaded once."""
+    if name not in self._tasks:
+      self._tasks[name] = load_task(self.config, name)
+    return self._tasks[name]
+
+  def head(self, name: str) -> jax.Array:
+    """A task's frozen head, made once."""
+    if name not in self._heads:
+      self._heads[name] = head(self.config, self.workdir, self.task(name), self.theta0,
+                               self.apply_fn)
+    return self._heads[name]
+
+  def data(self, names: Sequence[str] | None = None) -> dict[str, suite.Task]:
+    """{task: its data} of `names` (default: the downstream tasks)."""
+    return {t: self.task(t) for t in (self.tasks if names is None else names)}
+
+  def heads(self, names: Sequence[str] | None = None) -> dict[str, jax.Array]:
+    """{task: its frozen head} of `names` (default: the downstream tasks)."""
+    return {t: self.head(t) for t in (self.tasks if names is None else names)}
+
+  def vectors(self, regime_name: str) -> dict[str, TaskVector]:
+    """{task: its task vector} of one regime, each checked against θ0, loaded once."""
+    if regime_name not in self._vectors:
+      self._vectors[regime_name] = dict(zip(self.tasks, load_task_vectors(
+          self.workdir, regime_name, self.tasks, self.theta0)))
+    return self._vectors[regime_name]
+
+  def evaluator(self, regime_name: str) -> evaluate.Evaluator:
+    """The evaluator of one regime's edits."""
+    if regime_name not in self._evaluators:
+      self._evaluators[regime_name] = evaluator(self.config, self.apply_fn, regime_name)
+    return self._evaluators[regime_name]
+
+  def __post_init__(self):
+    self._tasks, self._heads, self._vectors, self._evaluators = {}, {}, {}, {}

@@ -17,6 +17,7 @@ from editing import regimes
 from editing import train
 from editing import tree as tree_lib
 from editing.data import triggers
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
@@ -30,7 +31,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   The run lives in `directory` (default <workdir>/finetune/<regime>/<task>); the pretrained
   backbone and heads are always the workdir's.
   """
-  experiment.validate(config)
+  checks.validate(config)
   directory = directory or workdir_lib.finetune_dir(workdir, regime.name, task_name)
   out = os.path.join(directory, workdir_lib.TASK_VECTOR)
   theta0, apply_fn = experiment.load_pretrained(workdir, config.model)

@@ -30,6 +30,7 @@ from editing import tree as tree_lib
 from editing.data import captions
 from editing.data import suite
 from editing.errors import UserError
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
@@ -98,7 +99,7 @@ def _plain(value):
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes <workdir>/pretrain/params.safetensors unless it is there: θ0 imported from
   `config.weights`, the shipped backbone, or encoder + head trained from scratch."""
-  experiment.validate(config)
+  checks.validate(config)
   out = workdir_lib.pretrained_file(workdir)
   directory = workdir_lib.pretrain_dir(workdir)
   sections = {'model': config.model.to_dict()}

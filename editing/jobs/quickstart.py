@@ -13,6 +13,7 @@ from absl import logging
 
 from editing import atomic
 from editing.jobs import evaluate
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
@@ -20,7 +21,7 @@ from editing.jobs import pretrain
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Returns the evaluation's results, with the seconds each stage took."""
-  experiment.validate(config)
+  checks.validate(config)
   names = experiment.tasks(config)
   regimes = experiment.configured_regimes(config)
   timings = {}

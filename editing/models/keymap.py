@@ -18,61 +18,53 @@ reads part k (open_clip's `in_proj_weight` holds q, k and v: `heads_in@0/3`, `@1
 Exporting concatenates the parts of one name in order.
 """
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 Rule = tuple[str, str, str]
-# Layouts whose arrays differ only by leading axes of size one: how many.
-_LEADING = {'lead1': 1, 'lead2': 2}
 
 
-def _parts(layout: str) -> tuple[str, int, int]:
+class _Layout(NamedTuple):
+  to_ours: Callable[[np.ndarray, int], np.ndarray]  # (their array, heads) -> ours
+  to_theirs: Callable[[np.ndarray], np.ndarray]  # our array -> theirs
+  their_shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # of our shape
+
+
+_LAYOUTS = {
+    'copy': _Layout(lambda x, h: x, lambda x: x, lambda s: s),
+    'linear': _Layout(lambda x, h: x.T, lambda x: x.T, lambda s: s[::-1]),
+    'conv': _Layout(lambda x, h: x.transpose(2, 3, 1, 0), lambda x: x.transpose(3, 2, 0, 1),
+                    lambda s: (s[3], s[2], s[0], s[1])),
+    'heads_in': _Layout(lambda x, h: x.T.reshape(x.shape[1], h, -1),
+                        lambda x: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0])),
+    'heads_bias': _Layout(lambda x, h: x.reshape(h, -1), lambda x: x.reshape(-1),
+                          lambda s: (s[0] * s[1],)),
+    'heads_out': _Layout(lambda x, h: x.T.reshape(h, -1, x.shape[0]),
+                         lambda x: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1])),
+    'lead1': _Layout(lambda x, h: x.reshape(x.shape[1:]), lambda x: x.reshape((1,) + x.shape),
+                     lambda s: (1,) + s),
+    'lead2': _Layout(lambda x, h: x.reshape(x.shape[2:]),
+                     lambda x: x.reshape((1, 1) + x.shape), lambda s: (1, 1) + s),
+}
+
+
+def _parts(layout: str) -> tuple[_Layout, int, int]:
   """(the layout proper, the part k, the number of parts n) of 'layout@k/n' (n = 1 without)."""
-  if '@' not in layout:
-    return layout, 0, 1
-  base, part = layout.split('@')
-  k, n = part.split('/')
-  return base, int(k), int(n)
+  base, k, n = layout, 0, 1
+  if '@' in layout:
+    base, part = layout.split('@')
+    k, n = (int(i) for i in part.split('/'))
+  if base not in _LAYOUTS:
+    raise ValueError(f'unknown layout {base!r}')
+  return _LAYOUTS[base], k, n
 
 
 def _to_ours(layout: str, x: np.ndarray, heads: int) -> np.ndarray:
-  layout, k, n = _parts(layout)
+  proper, k, n = _parts(layout)
   if n > 1:
     x = np.split(x, n, axis=0)[k]
-  if layout == 'copy':
-    return x
-  if layout == 'linear':
-    return x.T
-  if layout == 'conv':
-    return x.transpose(2, 3, 1, 0)
-  if layout == 'heads_in':
-    return x.T.reshape(x.shape[1], heads, -1)
-  if layout == 'heads_bias':
-    return x.reshape(heads, -1)
-  if layout == 'heads_out':
-    return x.T.reshape(heads, -1, x.shape[0])
-  if layout in _LEADING:
-    return x.reshape(x.shape[_LEADING[layout]:])
-  raise ValueError(f'unknown layout {layout!r}')
-
-
-def _to_theirs(layout: str, x: np.ndarray) -> np.ndarray:
-  if layout == 'copy':
-    return x
-  if layout == 'linear':
-    return x.T
-  if layout == 'conv':
-    return x.transpose(3, 2, 0, 1)
-  if layout == 'heads_in':
-    return x.reshape(x.shape[0], -1).T
-  if layout == 'heads_bias':
-    return x.reshape(-1)
-  if layout == 'heads_out':
-    return x.reshape(-1, x.shape[-1]).T
-  if layout in _LEADING:
-    return x.reshape((1,) * _LEADING[layout] + x.shape)
-  raise ValueError(f'unknown layout {layout!r}')
+  return proper.to_ours(x, heads)
 
 
 def expand(rules: Sequence[Rule], depth: int) -> list[Rule]:
@@ -103,8 +95,8 @@ def to_theirs(rules: Sequence[Rule], flat: dict[str, np.ndarray]) -> dict[str, n
   counts: dict[str, int] = {}
   for path, x in flat.items():
     theirs, layout = by_path[path]
-    base, k, n = _parts(layout)
-    parts.setdefault(theirs, {})[k] = _to_theirs(base, np.asarray(x))
+    proper, k, n = _parts(layout)
+    parts.setdefault(theirs, {})[k] = proper.to_theirs(np.asarray(x))
     counts[theirs] = n
   incomplete = [t for t, got in parts.items() if len(got) != counts[t]]
   if incomplete:
@@ -115,24 +107,6 @@ def to_theirs(rules: Sequence[Rule], flat: dict[str, np.ndarray]) -> dict[str, n
 
 def their_shape(layout: str, shape: Sequence[int]) -> tuple[int, ...]:
   """The shape their tensor has for our leaf of `shape` (the whole tensor, for a part)."""
-  layout, _, n = _parts(layout)
-  theirs = _their_part_shape(layout, tuple(shape))
+  proper, _, n = _parts(layout)
+  theirs = proper.their_shape(tuple(shape))
   return (n * theirs[0],) + theirs[1:]
-
-
-def _their_part_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-  if layout == 'copy':
-    return shape
-  if layout == 'linear':
-    return shape[::-1]
-  if layout == 'conv':
-    return (shape[3], shape[2], shape[0], shape[1])
-  if layout == 'heads_in':
-    return (shape[1] * shape[2], shape[0])
-  if layout == 'heads_bias':
-    return (shape[0] * shape[1],)
-  if layout == 'heads_out':
-    return (shape[2], shape[0] * shape[1])
-  if layout in _LEADING:
-    return (1,) * _LEADING[layout] + shape
-  raise ValueError(f'unknown layout {layout!r}')

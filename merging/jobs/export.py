@@ -16,6 +16,7 @@ from absl import logging
 from editing import checkpoint
 from editing import distributed
 from editing.errors import UserError
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import hf
@@ -24,7 +25,7 @@ from editing.models import hf
 def run(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Exports the merge of `config.export.method` in `config.export.regime`; returns the
   output directory."""
-  experiment.validate(config)
+  checks.validate(config)
   settings = config.export
   if not settings.output:
     raise UserError('config.export.output is empty: name the directory to write')

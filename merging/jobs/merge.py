@@ -34,6 +34,7 @@ from editing import atomic
 from editing import evaluate
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
@@ -44,8 +45,7 @@ from merging.jobs import report
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Merges and evaluates every method of `config.merge.methods` for every regime."""
-  experiment.validate(config, declared=declared_sections())
-  names = experiment.tasks(config)
+  checks.validate(config, declared=declared_sections())
   methods = methods_from(config.merge.methods, key='config.merge.methods')
   regimes = experiment.configured_regimes(config)
   for regime in regimes:
@@ -59,15 +59,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      'which only the safety experiment (launch.safety) has')
   for m in methods:
     hyperparameter_grid(config, m)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
-  vectors = {r.name: experiment.load_task_vectors(workdir, r.name, names, theta0)
-             for r in regimes}
+  exp = experiment.Experiment.load(config, workdir)
+  for regime in regimes:
+    exp.vectors(regime.name)
   workdir_lib.use_compilation_cache(workdir)
-  data = {t: experiment.load_task(config, t) for t in names}
-  heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
-  return {regime: merge_regime(config, workdir, regime, methods, theta0, apply_fn,
-                               regime_vectors, data, heads)
-          for regime, regime_vectors in vectors.items()}
+  return {regime.name: merge_regime(exp, regime.name, methods) for regime in regimes}
 
 
 def methods_from(value: str, *, key: str) -> list[str]:
@@ -111,15 +107,15 @@ def _axes(config: ml_collections.ConfigDict, section: str) -> dict[str, tuple]:
           for k, v in sweep.items() if v is not None}
 
 
-def merge_regime(config, workdir, regime, methods, theta0, apply_fn, vectors, data,
-                 heads) -> dict:
+def merge_regime(exp: experiment.Experiment, regime: str, methods: list[str]) -> dict:
   """The sweep of every method over one regime's task vectors; writes merge/<regime>/."""
-  names = list(data)
-  evaluator = experiment.evaluator(config, apply_fn, regime)
+  config, workdir, theta0, names = exp.config, exp.workdir, exp.theta0, exp.tasks
+  vectors, evaluator = list(exp.vectors(regime).values()), exp.evaluator(regime)
+  data, heads = exp.data(), exp.heads()
   finetuned = evaluate.finetuned_accuracy(evaluator, theta0, vectors, heads, data)
   pretrained = {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test) for t in names}
-  inputs = MergeInputs(config, experiment.regime(config, regime).encoder(apply_fn), theta0,
-                       apply_fn, heads, data)
+  inputs = MergeInputs(config, experiment.regime(config, regime).encoder(exp.apply_fn), theta0,
+                       exp.apply_fn, heads, data)
   results = {}
   for name in methods:
     directory = os.path.join(workdir_lib.merge_dir(workdir, regime), name)
@@ -140,7 +136,7 @@ def merge_regime(config, workdir, regime, methods, theta0, apply_fn, vectors, da
   out = workdir_lib.merge_dir(workdir, regime)
   atomic.write_json(os.path.join(out, 'results.json'), summary)
   atomic.write_bytes(os.path.join(out, 'report.md'),
-                                report.merging_markdown(summary).encode())
+                     report.merging_markdown(summary).encode())
   print(report.merging_table(summary))
   return summary
 

@@ -28,6 +28,7 @@ from editing import atomic
 from editing import evaluate
 from editing.data import triggers
 from editing.errors import UserError
+from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
@@ -37,7 +38,7 @@ from merging.jobs import report
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  experiment.validate(config, declared=merge.declared_sections())
+  checks.validate(config, declared=merge.declared_sections())
   names = experiment.tasks(config)
   regime = _regime(config)
   victims = experiment.names_from(config.safety.victims, key='config.safety.victims', kind='task',
@@ -54,10 +55,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   seeds = [int(s) for s in config.safety.seeds.split(',')]
 
   pretrain.run(config, workdir)
-  theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
-  data = {t: experiment.load_task(config, t) for t in names}
-  heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in names}
-  evaluator = experiment.evaluator(config, apply_fn, regime.name)
+  exp = experiment.Experiment.load(config, workdir)
+  theta0, apply_fn = exp.theta0, exp.apply_fn
+  data, heads, evaluator = exp.data(), exp.heads(), exp.evaluator(regime.name)
   trigger_fns = {g: experiment.trigger(config, g) for g in trigger_names}
   triggered = {g: {t: data[t].test.with_trigger(trigger_fns[g]) for t in names}
                for g in trigger_names}
@@ -115,7 +115,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def _write_reports(summary: dict, out: str) -> None:
   atomic.write_json(os.path.join(out, 'results.json'), summary)
   atomic.write_bytes(os.path.join(out, 'report.md'),
-                                report.safety_markdown(summary).encode())
+                     report.safety_markdown(summary).encode())
   report.plot_safety(summary, os.path.join(out, 'scatter.png'))
 
 
