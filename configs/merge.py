@@ -23,12 +23,13 @@ from configs import quickstart
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = quickstart.get_config(arg)
 
-  # Which methods, λ's grid 0, lambda_step, ..., 1 (the step of task addition's α grid: on
-  # this suite the best λ is small), and the examples per task that the data-driven methods
-  # read (Fisher and RegMean: labeled train; AdaMerging: unlabeled test).
+  # Which methods, λ's grid 0, lambda_step, ..., each method's lambda_max (merging/__init__.py:
+  # 1, the authors' 3 for the SVD-era merges, 2 for TIES and Breadcrumbs), and the examples per
+  # task that the data-driven methods read (Fisher and RegMean: labeled train; AdaMerging:
+  # unlabeled test).
   config.merge = ml_collections.ConfigDict(dict(
-      methods='averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,fisher,regmean,'
-              'adamerging_task,adamerging_layer,dam',
+      methods='averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,tsv_m,iso_c,'
+              'iso_cts,wudi,model_stock,fisher,regmean,adamerging_task,adamerging_layer,dam',
       lambda_step=0.05,
       seed=0,
       train_examples=256,
@@ -49,6 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sweep.ties.density = (0.2,)
     config.sweep.dare.p = (0.5,)
     config.sweep.consensus.tall_lambda = (0.5,)
+    config.wudi.steps = 5
     config.adamerging_task.steps = 3
     config.adamerging_layer.steps = 3
     config.dam.update(steps=2, refit_steps=2)

@@ -2,10 +2,13 @@
 
 Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m. `REGISTRY` maps a
 method's config name to a `Method`: its `merge` function, what besides the task vectors it reads,
-and whether λ is free (chosen on validation, like task arithmetic's) or the merge is applied at
-λ = 1 as it is (averages, and AdaMerging and DAM, whose coefficients are learned).
+whether λ is free (chosen on validation, like task arithmetic's, on 0 … `lambda_max`) or the
+merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging and DAM, whose
+coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
+settings are declared beside its function (`editing.settings`).
 
-Shared primitives (trim, elect sign, disjoint mean, drop and rescale) live in `merging.ops`.
+Shared primitives (trim, elect sign, disjoint mean, drop and rescale, layers read as matrices,
+the polar factor) live in `merging.ops`; LiNeS (`merging.lines`) rescales any merge by depth.
 """
 
 import dataclasses
@@ -24,9 +27,15 @@ from merging import consensus
 from merging import dam
 from merging import dare
 from merging import fisher
+from merging import iso_c
+from merging import iso_cts
+from merging import magmax
+from merging import model_stock
 from merging import regmean
 from merging import task_arithmetic
 from merging import ties
+from merging import tsv_m
+from merging import wudi
 
 # What a method may read besides the task vectors, passed as keyword arguments: a PRNG key,
 # θ0, the plain model apply_fn(params, images), per-task data (`common.TaskData`), and the
@@ -39,6 +48,9 @@ class Method:
   merge: Callable
   reads: tuple[str, ...] = ()  # of INPUTS
   scaled: bool = True  # False: applied at λ = 1
+  # The top of λ's validation grid: the authors' own range where they sweep past 1 (the
+  # SVD-era merges' vectors are not sums of T vectors; TIES and Breadcrumbs peak near 1).
+  lambda_max: float = 1.0
   # The split a data-driven method reads: labeled training examples, or the unlabeled test
   # inputs that AdaMerging adapts to (its paper's test-time protocol).
   split: str = 'train'
@@ -49,6 +61,9 @@ class Method:
   # the tensor's shape).
   ranked: bool = False
   whole_tensor: bool = False
+  # Whether an entry's merge reads only that entry of each task vector (a streamed merge may
+  # then split a tensor over devices); not so for an SVD or a cosine over the tensor.
+  elementwise: bool = True
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -78,10 +93,21 @@ _DAM = dict(_LEARNED, section='dam')
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
     'task_arithmetic': Method(task_arithmetic.merge),
-    'ties': Method(ties.merge, ranked=True),
+    'ties': Method(ties.merge, ranked=True, lambda_max=2.0),
     'dare': Method(dare.merge, reads=('key',), whole_tensor=True),
-    'breadcrumbs': Method(breadcrumbs.merge, ranked=True),
+    'breadcrumbs': Method(breadcrumbs.merge, ranked=True, lambda_max=2.0),
     'consensus': Method(consensus.merge),
+    'magmax': Method(magmax.merge),
+    # The SVD-era merges: each matrix is decomposed whole.
+    'tsv_m': Method(tsv_m.merge, whole_tensor=True, elementwise=False,
+                     lambda_max=3.0),
+    'iso_c': Method(iso_c.merge, whole_tensor=True, elementwise=False,
+                     lambda_max=3.0),
+    'iso_cts': Method(iso_cts.merge, whole_tensor=True, elementwise=False,
+                     lambda_max=3.0),
+    'wudi': Method(wudi.merge, scaled=False, whole_tensor=True, elementwise=False),
+    'model_stock': Method(model_stock.merge, scaled=False, whole_tensor=True,
+                          elementwise=False),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
                       refused_regimes=('linearized',)),

@@ -1,11 +1,14 @@
 """The primitives merges are built from: trim, elect a sign, take the disjoint mean, drop and
-rescale. Each maps deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
+rescale; and for the SVD-era merges, each layer read as a matrix and the polar factor. Each maps
+deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
 Their arguments are the methods' settings, checked where each method declares them."""
 
-from typing import Any, Callable, Sequence
+import math
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from editing import tree as tree_lib
 
@@ -90,3 +93,63 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
     return jnp.where(keep, d / (1 - p), jnp.zeros_like(d))
 
   return tree_lib.map_with_path(drop, delta)
+
+
+class Matrix(NamedTuple):
+  """How a leaf reads as a matrix W of (outputs, inputs), as PyTorch stores a Linear's weight:
+  a flax kernel (its input axes, then its output axes, those of its bias) is flattened to
+  (inputs, outputs) and transposed; any other 2-D leaf (a PyTorch weight, an embedding table)
+  is read as it is."""
+
+  inputs: int
+  outputs: int
+  transposed: bool
+
+  def of(self, x: jax.Array) -> jax.Array:
+    return x.reshape(self.inputs, self.outputs).T if self.transposed else x
+
+  def back(self, w: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return (w.T if self.transposed else w).reshape(shape)
+
+
+def matrices(delta: PyTree) -> dict[str, Matrix | None]:
+  """{path: its matrix view, or None}: the leaves the SVD-era merges treat as linear layers.
+
+  Dense and attention kernels (2-D and 3-D flax kernels, the output axes read from the
+  bias's rank) and other 2-D leaves are matrices; convolutions, biases (an attention bias is
+  2-D here, 1-D in PyTorch), norms and vectors are not
+  (the methods average them), as in FusionBench, whose PyTorch tensors are 2-D exactly there.
+  """
+  flat = tree_lib.flatten(delta)
+  views = {}
+  for path, x in flat.items():
+    shape = np.shape(x)
+    if path.endswith('kernel') and len(shape) in (2, 3):
+      bias = flat.get(path[:-len('kernel')] + 'bias')
+      outputs = np.ndim(bias) if bias is not None else 1
+      views[path] = Matrix(math.prod(shape[:-outputs]), math.prod(shape[-outputs:]), True)
+    elif len(shape) == 2 and not path.endswith(('kernel', 'bias', 'scale')):
+      views[path] = Matrix(shape[1], shape[0], False)
+    else:
+      views[path] = None
+  return views
+
+
+def per_matrix(task_vectors: Sequence[Any], merge_matrix: Callable[[list], jax.Array]) -> PyTree:
+  """The merged deltas: merge_matrix([W_1..W_T]) of each matrix leaf (as `matrices` reads it),
+  the mean of the τ_t elsewhere."""
+  deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
+  merged = {}
+  for path, view in matrices(task_vectors[0].delta).items():
+    leaves = [jnp.asarray(d[path], jnp.float32) for d in deltas]
+    if view is None:
+      merged[path] = sum(leaves) / len(leaves)
+    else:
+      merged[path] = view.back(merge_matrix([view.of(x) for x in leaves]), leaves[0].shape)
+  return tree_lib.unflatten(merged)
+
+
+def polar(a: jax.Array) -> jax.Array:
+  """The orthogonal factor PQᵀ of A = PΣQᵀ: the nearest matrix with orthonormal columns."""
+  p, _, qt = jnp.linalg.svd(a, full_matrices=False)
+  return p @ qt

@@ -67,6 +67,12 @@ PLANS = {
                                              'scope': 'global'}, seed=3, shard_bytes=2500),
     'breadcrumbs': checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.5}),
     'consensus': checkpoints.Plan('consensus', {'min_tasks': 2, 'tall_lambda': 0.5}),
+    'magmax': checkpoints.Plan('magmax', {}, scale=0.5),
+    'tsv_m': checkpoints.Plan('tsv_m', {}, scale=1.5),
+    'iso_c': checkpoints.Plan('iso_c', {}),
+    'iso_cts': checkpoints.Plan('iso_cts', {'common_space_fraction': 0.5}),
+    'wudi': checkpoints.Plan('wudi', {'steps': 20, 'learning_rate': 1e-3}),
+    'model_stock': checkpoints.Plan('model_stock', {}),
 }
 
 

@@ -101,6 +101,11 @@ class Plan:
     return self.method not in SINGLE_MODEL and merging.get(self.method).whole_tensor
 
   @property
+  def elementwise(self) -> bool:
+    """Whether the merge of an entry reads only that entry of each input."""
+    return self.method in SINGLE_MODEL or merging.get(self.method).elementwise
+
+  @property
   def global_ties(self) -> bool:
     """TIES (alone or after DARE) ranking each model's magnitudes as a whole: counting passes
     come first."""

@@ -61,7 +61,9 @@ class TensorMerge:
     thetas = [c.tensor(name) for c in self.tuned]
     _check_finite(self.plan, name, self.paths,
                   [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
-    placed = _split(self.mesh, shape)
+    # A method that reads the tensor as a whole (an SVD, a cosine) runs on one device: split,
+    # its reductions would be collectives across the devices for one tensor's sake.
+    placed = _split(self.mesh, shape) if self.plan.elementwise else jax.devices()[0]
     theta0 = {name: jax.device_put(base, placed)}
     vectors = task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas],
                             self.labels)

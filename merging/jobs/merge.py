@@ -234,7 +234,8 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
         evaluator, inputs.theta0, vector, heads=inputs.heads,
         val={t: inputs.data[t].val for t in names}, test={t: inputs.data[t].test for t in names},
         finetuned=finetuned,
-        alphas=evaluate.alpha_grid(config.merge.lambda_step) if method.scaled else [1.0])
+        alphas=(evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
+                else [1.0]))
     score = max(p['normalized_val'] for p in addition['curve'])
     if best is None or score > best[0]:
       best = (score, settings, addition, vector)
