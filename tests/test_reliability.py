@@ -334,3 +334,23 @@ def test_the_record_of_a_merge_says_what_made_it(tmp_path, models):
   assert record['plan']['method'] == 'ties'
   assert record['plan']['settings'] == {'density': 0.3, 'scope': 'tensor', 'normalize': True}
   assert [i['path'] for i in record['inputs']] == [os.path.abspath(p) for p in [base, *tuned]]
+
+
+def test_sigterm_in_training_saves_and_ends_in_one_line_with_status_143(tmp_path):
+  """Through the launch job: the step is saved, and the line says which and how to resume
+  (resuming itself is tested in test_train)."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  args = [sys.executable, '-m', 'launch.pretrain', '--config=configs/quickstart.py:tiny',
+          f'--workdir={tmp_path}', '--config.pretrain.steps=5000',
+          '--config.pretrain.checkpoint_every=10000']
+  proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+  metrics = tmp_path / 'pretrain' / 'metrics.jsonl'
+  deadline = time.time() + 300
+  while not (metrics.exists() and metrics.stat().st_size) and time.time() < deadline:
+    assert proc.poll() is None, proc.stderr.read()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 143 and 'Traceback' not in stderr, stderr
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith('error: SIGTERM: saved step ') and 'rerun to resume' in last, last
