@@ -31,6 +31,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       methods='averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,tsv_m,iso_c,'
               'iso_cts,wudi,model_stock,fisher,regmean,adamerging_task,adamerging_layer,dam',
       lambda_step=0.05,
+      # Methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
+      lines='',
       seed=0,
       train_examples=256,
   ))

@@ -223,3 +223,17 @@ def test_lines_scales_each_block_by_its_depth():
 def test_lines_alpha_for_task_arithmetic_is_one_over_t():
   vs = vectors()
   assert lines.multi_task_alpha(vs, sum(vs)) == pytest.approx(1 / 3)
+
+
+def test_lines_results_are_named_apart_and_refuse_an_unscaled_method():
+  from configs import merge as merge_config  # pylint: disable=g-import-not-at-top
+  from editing.errors import UserError  # pylint: disable=g-import-not-at-top
+  from merging.jobs import merge  # pylint: disable=g-import-not-at-top
+  config = merge_config.get_config('tiny')
+  config.merge.lines = 'task_arithmetic,ties'
+  assert merge.lines_methods(config) == ['task_arithmetic', 'ties']
+  assert merge.settings_used(config, 'ties+lines') == {
+      **merge.settings_used(config, 'ties'), 'lines': True}
+  config.merge.lines = 'wudi'
+  with pytest.raises(UserError, match='config.merge.lines: unknown scaled method'):
+    merge.lines_methods(config)

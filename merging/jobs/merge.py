@@ -40,6 +40,7 @@ from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 import merging
 from merging import common
+from merging import lines
 from merging.jobs import report
 
 
@@ -57,7 +58,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if needing_trigger:
     raise UserError(f'config.merge.methods: {needing_trigger} read the true backdoor trigger, '
                      'which only the safety experiment (launch.safety) has')
-  for m in methods:
+  for m in methods + lines_methods(config):
     hyperparameter_grid(config, m)
   exp = experiment.Experiment.load(config, workdir)
   for regime in regimes:
@@ -117,7 +118,7 @@ def merge_regime(exp: experiment.Experiment, regime: str, methods: list[str]) ->
   inputs = MergeInputs(config, experiment.regime(config, regime).encoder(exp.apply_fn), theta0,
                        exp.apply_fn, heads, data)
   results = {}
-  for name in methods:
+  for name in methods + [m + LINES for m in lines_methods(config)]:
     directory = os.path.join(workdir_lib.merge_dir(workdir, regime), name)
     result_file = os.path.join(directory, 'result.json')
     if workdir_lib.reusable_result(directory, settings_used(config, name), result_file):
@@ -147,7 +148,7 @@ def _earlier_results(config, directory: str, done: dict) -> dict:
   earlier = {}
   for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
     result_file = os.path.join(directory, name, 'result.json')
-    if name in done or name not in merging.REGISTRY or not os.path.exists(result_file):
+    if name in done or _method(name) not in merging.REGISTRY or not os.path.exists(result_file):
       continue
     if workdir_lib.recorded_as(os.path.join(directory, name), settings_used(config, name)):
       with open(result_file) as f:
@@ -158,14 +159,16 @@ def _earlier_results(config, directory: str, done: dict) -> dict:
 def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
   """The config a merge's result depends on: its settings, its grid and the shared sections
   (not which other methods run beside it)."""
-  section = merging.get(name).section or name
+  method = _method(name)
+  section = merging.get(method).section or method
   values = config.get(section)
-  shared = {k: v for k, v in config.merge.to_dict().items() if k != 'methods'}
+  shared = {k: v for k, v in config.merge.to_dict().items() if k not in ('methods', 'lines')}
   axes = {k: list(v) for k, v in _axes(config, section).items()}
-  fixed = merging.check_settings(name, dict(values.items()) if values else {},
+  fixed = merging.check_settings(method, dict(values.items()) if values else {},
                                  f'config.{section}')
   return {'method': {k: v for k, v in fixed.items() if k not in axes},
-          **({'sweep': axes} if axes else {}), 'merge': shared,
+          **({'sweep': axes} if axes else {}), **({'lines': True} if name != method else {}),
+          'merge': shared,
           'eval': config.eval.to_dict(), **experiment.data_settings(config, 'train_size')}
 
 
@@ -217,34 +220,65 @@ class Chosen(NamedTuple):
   summary: dict  # hyperparameters, λ, validation score, test accuracies
 
 
+def lines_methods(config: ml_collections.ConfigDict) -> list[str]:
+  """The methods config.merge.lines also runs scaled by depth (LiNeS), each a result of its
+  own, '<method>+lines'."""
+  if not config.merge.get('lines', '').strip():
+    return []
+  scaled = [n for n, m in merging.REGISTRY.items() if m.scaled]
+  return experiment.names_from(config.merge.lines, key='config.merge.lines', kind='scaled method',
+                               known=scaled)
+
+
+LINES = '+lines'
+
+
+def _method(name: str) -> str:
+  """The merging method of a result's name (a LiNeS result carries the suffix LINES)."""
+  return name[:-len(LINES)] if name.endswith(LINES) else name
+
+
 def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: MergeInputs,
                evaluator: evaluate.Evaluator, finetuned: dict) -> Chosen:
   """Merges with every setting of the method's grid and keeps the one (and the λ) with the best
-  mean normalized validation accuracy; test accuracy reported there."""
-  method = merging.get(name)
-  reads = inputs.read_by(name)
+  mean normalized validation accuracy; test accuracy reported there.
+
+  A LiNeS result ('<method>+lines') scales each merge by depth instead of by one λ: λ_ℓ =
+  α + β·ℓ/(L − 1) with the authors' α for multi-task merging, and β on λ's grid in its place.
+  """
+  method_name = _method(name)
+  method = merging.get(method_name)
+  reads = inputs.read_by(method_name)
   names = list(inputs.data)
+  grid = (evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
+          else [1.0])
   best = None
-  for settings in hyperparameter_grid(config, name):
+  for settings in hyperparameter_grid(config, method_name):
     logging.info('%s: merging with %s', name, settings or 'defaults')
     vector = method.merge(vectors, **reads, **settings)
     # A NaN would survive even λ = 0 (0·NaN): refuse it before it is applied or saved.
     tree_lib.check_finite(vector.delta, f'the {name} merge with {settings or "defaults"}')
-    addition = evaluate.task_addition(
-        evaluator, inputs.theta0, vector, heads=inputs.heads,
-        val={t: inputs.data[t].val for t in names}, test={t: inputs.data[t].test for t in names},
-        finetuned=finetuned,
-        alphas=(evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
-                else [1.0]))
-    score = max(p['normalized_val'] for p in addition['curve'])
-    if best is None or score > best[0]:
-      best = (score, settings, addition, vector)
-  score, settings, addition, vector = best
+    if name == method_name:
+      candidates = [(None, vector, grid)]
+    else:
+      alpha = lines.multi_task_alpha(vectors, vector)
+      candidates = [({'alpha': alpha, 'beta': beta}, lines.scale(vector, alpha, beta), [1.0])
+                    for beta in grid]
+    for depth_scaling, candidate, alphas in candidates:
+      addition = evaluate.task_addition(
+          evaluator, inputs.theta0, candidate, heads=inputs.heads,
+          val={t: inputs.data[t].val for t in names},
+          test={t: inputs.data[t].test for t in names}, finetuned=finetuned, alphas=alphas)
+      score = max(p['normalized_val'] for p in addition['curve'])
+      if best is None or score > best[0]:
+        best = (score, settings, addition, candidate, depth_scaling)
+  score, settings, addition, vector, depth_scaling = best
   logging.info('%s: mean test %.3f (normalized %.3f) with %s at lambda %s', name,
                addition['mean_test'], addition['mean_normalized_test'], settings,
-               addition['alpha'])
-  summary = {'hyperparameters': settings, 'swept': swept(config, name),
+               depth_scaling or addition['alpha'])
+  summary = {'hyperparameters': settings, 'swept': swept(config, method_name),
              'lambda': addition['alpha'], 'normalized_val': score,
+             **({'lines': depth_scaling} if depth_scaling else {}),
              **{k: addition[k] for k in ('test', 'normalized_test', 'mean_test',
                                          'mean_normalized_test')}}
   return Chosen(vector, vector.apply_to(inputs.theta0, addition['alpha']), summary)

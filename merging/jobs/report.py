@@ -19,10 +19,12 @@ def _merging_rows(summary: dict) -> list[list[str]]:
   ranked = sorted(summary['methods'].values(), key=lambda r: -r['mean_normalized_test'])
   for r in ranked:
     # The settings worth showing: those the grid chose among.
-    settings = ', '.join(f'{k}={r["hyperparameters"][k]}' for k in r['swept'])
+    chosen = [f'{k}={r["hyperparameters"][k]}' for k in r['swept']]
+    if 'lines' in r:  # LiNeS' depth scaling in place of one λ
+      chosen.append('α={alpha:.3g}, β={beta}'.format(**r['lines']))
     rows.append([r['method']] + [percent(r['test'][t]) for t in names] +
-                [percent(r['mean_test']), percent(r['mean_normalized_test']), str(r['lambda']),
-                 settings])
+                [percent(r['mean_test']), percent(r['mean_normalized_test']),
+                 '' if 'lines' in r else str(r['lambda']), ', '.join(chosen)])
   return rows
 
 
