@@ -25,9 +25,11 @@ from merging import ops
 
 
 def interference(merged: jax.Array, matrices: jax.Array) -> jax.Array:
-  """Σ_t ‖(τ − τ_t) τ_tᵀ‖²_F / ‖τ_t‖²_F, the matrices stacked on the first axis."""
+  """Σ_t ‖(τ − τ_t) τ_tᵀ‖²_F / ‖τ_t‖²_F, the matrices stacked on the first axis (a zero τ_t,
+  which nothing interferes with, adds 0 where the reference divides 0 by 0)."""
   gaps = jnp.einsum('toi,tpi->top', merged[None] - matrices, matrices)
-  return jnp.sum(jnp.sum(gaps ** 2, axis=(1, 2)) / jnp.sum(matrices ** 2, axis=(1, 2)))
+  norms = jnp.sum(matrices ** 2, axis=(1, 2))
+  return jnp.sum(jnp.sum(gaps ** 2, axis=(1, 2)) / jnp.where(norms > 0, norms, 1.0))
 
 
 @functools.partial(jax.jit, static_argnames=('steps', 'learning_rate'))
