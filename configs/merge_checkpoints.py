@@ -8,8 +8,9 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
 
   python -m launch.merge_checkpoints --config.mergekit=merge.yaml --config.output=/models/m
 
-Methods: averaging, task_arithmetic, ties (per tensor), dare, breadcrumbs, consensus (the same
-functions as merging/), negation (θ0 − λτ) and extract (write τ). task_arithmetic, ties and
+Methods: every data-free method of merging/ (averaging, task_arithmetic, ties (per tensor),
+dare, breadcrumbs, consensus, magmax, tsv_m, iso_c, iso_cts, wudi, model_stock: the same
+functions the suite's merges call), negation (θ0 − λτ) and extract (write τ). task_arithmetic, ties and
 dare take per-model `weights` and `normalize` as mergekit does; `mergekit` reads a mergekit
 YAML config (merging/jobs/mergekit.py) in place of the flags it sets.
 """

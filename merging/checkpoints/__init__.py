@@ -7,7 +7,8 @@ float32) become one-leaf task vectors, the configured method merges them (the sa
 suite's merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither
 on order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
 
-  averaging, task_arithmetic, ties, dare, breadcrumbs, consensus
+  every data-free method of `merging` (averaging, task_arithmetic, ties, dare, breadcrumbs,
+  consensus, magmax, tsv_m, iso_c, iso_cts, wudi, model_stock)
                  θ0 + λ·merge(τ_1..τ_N)
   negation       θ0 − λ·τ_1 (one fine-tuned model)
   extract        τ_1 itself, in float32 (one fine-tuned model)
