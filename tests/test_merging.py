@@ -10,6 +10,7 @@ import pytest
 
 import merging
 from editing import tree as tree_lib
+from editing.errors import UserError
 from editing.task_vector import TaskVector
 from merging import adamerging
 from merging import common
@@ -20,6 +21,7 @@ from merging import fisher
 from merging import ops
 from merging import regmean
 from merging import ties
+from tests import references
 
 TASKS = ('t0', 't1', 't2')
 
@@ -99,49 +101,109 @@ def test_zero_task_vectors_merge_to_zero(name):
 
 
 def single_vector_output(name, vector):
-  """What each method documents for one task vector in."""
+  """What each method documents for one task vector in, at its defaults, from plain numpy."""
   tau = flat(vector.delta)
-  if name in ('averaging', 'task_arithmetic', 'fisher', 'regmean'):
+  if name in ('averaging', 'task_arithmetic', 'fisher', 'regmean', 'magmax'):
     return tau
-  if name == 'ties':  # the disjoint mean of one vector is its trimmed self
-    return flat(ops.where(ops.keep_largest(vector.delta, 0.2, 'global'), vector.delta))
-  if name == 'dare':
-    return flat(dare.drop([vector], 0.5, INPUTS['key'])[0].delta)
-  if name == 'breadcrumbs':
-    return flat(ops.where(ops.keep_band(vector.delta, 0.01, 0.89), vector.delta))
+  if name == 'tsv_m':  # k = ⌊r/1⌋: every triplet of its own SVD, U Σ Vᵀ = τ
+    return tau
+  if name == 'wudi':  # started at Σ τ_t = τ, where the interference and its gradient are 0
+    return tau
+  if name in ('iso_c', 'iso_cts'):
+    # σ̄·UVᵀ of each kernel (the same for W and Wᵀ), biases as they are. Iso-CTS's common
+    # subspace (k) and the one task's own (s = r − k) span the whole rank: Iso-C's.
+    out = dict(tau)
+    for path, t in tau.items():
+      if path.endswith('kernel'):
+        u, sigma, vt = np.linalg.svd(t.astype(np.float64), full_matrices=False)
+        out[path] = sigma.mean() * u @ vt
+    return out
+  if name == 'ties':  # the disjoint mean of one vector is its trimmed self (k = 20%, global)
+    keep = references.keep_largest(tau, 0.2, 'global')
+    return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
+  if name == 'breadcrumbs':  # per leaf, all but the top 1% and the bottom 89% of |τ|
+    keep = references.keep_band(tau, 0.01, 0.89)
+    return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
   if name == 'consensus':  # no entry is used by min_tasks = 2 tasks
     return {k: np.zeros_like(v) for k, v in tau.items()}
   raise AssertionError(name)
 
 
+def assert_dam_rescales_each_entry(name, merged, tau):
+  """DAM's output for one vector is λ·M⊙τ with M > 0 a product of masks that each have mean 1
+  per leaf: r = merged/τ is positive and varies within a leaf (the masks learned something);
+  with one mask, r's mean over every leaf is the same number, the one λ."""
+  ratios = {p: merged[p] / t for p, t in tau.items()}
+  for path, r in ratios.items():
+    assert np.isfinite(r).all() and (r > 0).all(), f'{name} {path}: {r}'
+  assert any(np.ptp(r) > 1e-4 * r.mean() for r in ratios.values()), \
+      f'{name}: masks that learned nothing'
+  if name in ('dam_shared', 'dam_safe'):
+    means = [r.mean() for r in ratios.values()]
+    np.testing.assert_allclose(means, means[0], rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize('name', sorted(merging.REGISTRY))
 def test_one_task_vector_in_gives_the_documented_output(name):
   vector = random_vectors(tasks=('t0',))[0]
-  data = task_data()
-  merged = flat(run(name, [vector], data).delta)
+  tau = flat(vector.delta)
+  if name == 'model_stock':  # its ratio is set by the angle between vectors: none for one
+    with pytest.raises(UserError, match='model_stock needs at least 2 task vectors'):
+      run(name, [vector])
+    return
+  merged = flat(run(name, [vector], task_data()).delta)
   if name.startswith('adamerging'):
     # λ·τ with λ learned: a multiple of τ, per vector or per leaf.
-    for path, value in flat(vector.delta).items():
+    for path, value in tau.items():
       ratio = merged[path].ravel()[0] / value.ravel()[0]
       np.testing.assert_allclose(merged[path], ratio * value, rtol=1e-5, err_msg=path)
     return
   if name.startswith('dam'):
-    # λ·M_s⊙M_b⊙τ, with the masks and λ that DAM learns from the same inputs and key.
-    method = merging.get(name)
-    inputs = dict(INPUTS, data=data)
-    learned = dam.learn([vector], **{k: inputs[k] for k in method.reads},
-                        **getattr(method.merge, 'keywords', {}), **SETTINGS[name])
-    masks = [flat(m) for m in learned.masks.values()]
-    assert len(masks) == {'dam_shared': 1, 'dam_safe': 1}.get(name, 2)
-    for path, value in flat(vector.delta).items():
-      factor = float(learned.coefficients[0]) * np.prod([m[path] for m in masks], axis=0)
-      np.testing.assert_allclose(merged[path], factor * value, rtol=1e-5, err_msg=path)
-      assert np.any(factor != factor.flat[0]), f'{path}: masks that learned nothing'
+    assert_dam_rescales_each_entry(name, merged, tau)
+    return
+  if name == 'dare':
+    # Its draws are jax's, not reproducible in numpy: every entry is dropped (0) or kept and
+    # rescaled by 1/(1 − p) exactly, p = 0.5 by default; both happen on 51 entries.
+    kept = {p: merged[p] != 0 for p in tau}
+    for path, value in tau.items():
+      np.testing.assert_array_equal(merged[path][kept[path]],
+                                    value[kept[path]] / np.float32(1 - 0.5), err_msg=path)
+    share = np.mean(np.concatenate([k.ravel() for k in kept.values()]))
+    assert 0 < share < 1, share
     return
   expected = single_vector_output(name, vector)
   for path in expected:
     np.testing.assert_allclose(merged[path], expected[path], rtol=1e-4, atol=1e-6,
                                err_msg=f'{name} {path}')
+
+
+def test_dam_with_saturated_masks_and_a_still_lambda_is_the_initial_lambda_times_tau():
+  # Logits of +50 give σ = 1 in float32 whatever the Concrete noise (|log-odds| ≤ 14), so
+  # every mask is all ones and stays so (its gradient is 0); Adam moves λ by about its
+  # learning rate, 1e-30, which float32 cannot add to 0.3. So the merge is 0.3·τ, bit for bit.
+  vector = random_vectors(tasks=('t0',))[0]
+  # (One variant: the others compose their masks the same way, and each costs a compile.)
+  merged = flat(run('dam', [vector], mask_init=50.0, init=0.3, learning_rate=1e-30).delta)
+  for path, value in flat(vector.delta).items():
+    np.testing.assert_array_equal(merged[path], np.float32(0.3) * value, err_msg=path)
+
+
+@pytest.mark.parametrize('name, masks', [
+    ('dam', {'shared', 'safe'}), ('dam_oracle', {'shared', 'safe'}),
+    ('dam_shared', {'shared'}), ('dam_safe', {'safe'})])
+def test_dam_learns_its_masks_each_with_mean_one_per_leaf(name, masks):
+  """The paper's two masks (or the ablation's one), each m/mean(m) of σ(ℓ) per tensor."""
+  vector = random_vectors(tasks=('t0',))[0]
+  method = merging.get(name)
+  inputs = dict(INPUTS, data=task_data())
+  learned = dam.learn([vector], **{k: inputs[k] for k in method.reads},
+                      **getattr(method.merge, 'keywords', {}), **SETTINGS[name])
+  assert set(learned.masks) == masks
+  for mask_name, mask in learned.masks.items():
+    for path, value in flat(mask).items():
+      assert (value > 0).all(), (mask_name, path)
+      np.testing.assert_allclose(value.mean(), 1.0, rtol=1e-6, err_msg=(mask_name, path))
+    assert any(np.ptp(v) > 0 for v in flat(mask).values()), f'{mask_name}: learned nothing'
 
 
 @pytest.mark.parametrize('name', sorted(merging.REGISTRY))
@@ -346,6 +408,89 @@ def test_breadcrumbs_drops_both_magnitude_tails_of_every_leaf():
   delta = {'w': jnp.arange(1.0, 21.0) * jnp.array([1, -1] * 10)}
   mask = ops.keep_band(delta, top=0.1, bottom=0.25)['w']
   np.testing.assert_array_equal(np.flatnonzero(mask), np.arange(5, 18))
+
+
+def tree_with_ties(seed=0):
+  """Leaves of a few repeated magnitudes, both signs, keys inserted out of sorted order, so
+  that ties and path order decide which entries a ranking keeps."""
+  rng = np.random.default_rng(seed)
+  values = lambda *shape: (rng.integers(-4, 5, shape) * 0.5).astype(np.float32)
+  return {'z': values(7, 5), 'a': {'kernel': values(6, 9), 'bias': values(6)}, 'm': values(40)}
+
+
+@pytest.mark.parametrize('scope', ops.SCOPES)
+@pytest.mark.parametrize('density', [0.01, 0.2, 0.35, 0.5, 1.0])
+def test_keep_largest_equals_a_numpy_top_k_with_ties_to_the_earlier_entry(scope, density):
+  delta = tree_with_ties()
+  expected = references.keep_largest(flat(delta), density, scope)
+  jitted = jax.jit(lambda d: ops.keep_largest(d, density, scope))
+  for masks in (ops.keep_largest(delta, density, scope),  # numpy leaves: ranked on the host
+                ops.keep_largest(jax.tree.map(jnp.asarray, delta), density, scope),
+                jitted(delta)):  # traced: XLA's sort
+    got = flat(masks)
+    assert list(got) == list(expected)  # the same paths, in the same order
+    for path in expected:
+      np.testing.assert_array_equal(got[path], expected[path], err_msg=(scope, path))
+
+
+@pytest.mark.parametrize('top, bottom', [(0.01, 0.89), (0.1, 0.25), (0.0, 0.5), (0.3, 0.0),
+                                         (0.2, 0.79)])
+def test_keep_band_equals_a_numpy_band_per_leaf(top, bottom):
+  delta = tree_with_ties(1)
+  expected = references.keep_band(flat(delta), top, bottom)
+  for masks in (ops.keep_band(delta, top, bottom),
+                jax.jit(lambda d: ops.keep_band(d, top, bottom))(delta)):
+    got = flat(masks)
+    for path in expected:
+      np.testing.assert_array_equal(got[path], expected[path], err_msg=path)
+  # Breadcrumbs keeps exactly that band of each vector, and sums over vectors.
+  vectors = [TaskVector(jax.tree.map(jnp.asarray, tree_with_ties(s)), (t,), 'full', 'b')
+             for s, t in enumerate(TASKS[:2])]
+  bands = [references.keep_band(flat(v.delta), top, bottom) for v in vectors]
+  merged = flat(merging.get('breadcrumbs').merge(vectors, top=top, bottom=bottom).delta)
+  for path in merged:
+    np.testing.assert_array_equal(merged[path], sum(
+        np.where(b[path], flat(v.delta)[path], 0) for b, v in zip(bands, vectors)),
+                                  err_msg=path)
+
+
+@pytest.mark.parametrize('p', [0.1, 0.3, 0.5, 0.9])
+def test_dare_keeps_entries_rescaled_exactly_and_drops_a_share_p(p):
+  tau = {'w': jax.random.normal(jax.random.PRNGKey(1), (512, 512)) + 1e-3, 'b': jnp.ones(16)}
+  dropped = flat(ops.drop_and_rescale(tau, p, jax.random.PRNGKey(2)))
+  for path, value in flat(tau).items():
+    assert (value != 0).all()
+    kept = dropped[path] != 0
+    # τ/(1 − p) to the last bit but one: XLA on the CPU divides by a scalar as a multiplication
+    # by its float32 reciprocal, one ulp off the rounded quotient in up to about a quarter of the
+    # entries (never for p = 0.5, whose 1/(1 − p) = 2 is exact).
+    np.testing.assert_array_max_ulp(dropped[path][kept], value[kept] / np.float32(1 - p),
+                                    maxulp=0 if p == 0.5 else 1)
+  # Bernoulli(p) drops over n = 2^18 entries: the share within 5σ, σ = sqrt(p(1 − p)/n).
+  share = np.mean(dropped['w'] == 0)
+  assert abs(share - p) <= 5 * np.sqrt(p * (1 - p) / dropped['w'].size), share
+
+
+def test_dare_draws_depend_only_on_the_key_the_task_and_the_path():
+  x = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
+  key = jax.random.PRNGKey(5)
+  masks = lambda tree, k=key: {p: v != 0 for p, v in
+                               flat(ops.drop_and_rescale(tree, 0.5, k)).items()}
+  both = masks({'a': x, 'b': x})
+  # The same values at another path draw another mask.
+  assert (both['a'] != both['b']).any()
+  # A leaf's draw is the same bits wherever it stands in the tree and whatever is beside it.
+  for tree in ({'b': x}, {'b': x, 'c': {'d': x}}, {'a': {'b': x}, 'b': x}):
+    np.testing.assert_array_equal(masks(tree)['b'], both['b'])
+  # The same key gives the same bits; another key another mask.
+  np.testing.assert_array_equal(masks({'a': x, 'b': x})['a'], both['a'])
+  assert (masks({'a': x}, jax.random.PRNGKey(6))['a'] != both['a']).any()
+  # Whole vectors: keyed by their tasks' names, not by their place in the list.
+  vectors = [TaskVector({'w': x}, (t,), 'full', 'b') for t in TASKS]
+  drops = [flat(v.delta)['w'] != 0 for v in dare.drop(vectors, 0.5, key)]
+  assert (drops[0] != drops[1]).any()
+  alone = flat(dare.drop(vectors[1:2], 0.5, key)[0].delta)['w'] != 0
+  np.testing.assert_array_equal(alone, drops[1])
 
 
 def test_fisher_takes_each_entry_from_the_tasks_that_depend_on_it():
