@@ -8,6 +8,8 @@ import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pyarrow as pa
@@ -32,6 +34,7 @@ from editing.models import zero_shot
 from merging.jobs import export
 from merging.jobs import merge
 from merging.jobs import safety
+from tests import references
 from tests.test_hf import clip_model, images, ours, theirs, unit
 from tests.test_zero_shot import save_tokenizer
 
@@ -101,16 +104,47 @@ def setup(tmp_path_factory):
   return config, str(root / 'work')
 
 
-def test_zero_shot_heads_fine_tuning_in_every_regime_and_evaluation(setup):
+@pytest.fixture(scope='module')
+def finished(setup):
+  """(config, workdir, results) of the pipeline run once on the data on disk, for every test
+  that reads its workdir (they copy the config before changing it)."""
   config, workdir = setup
-  results = quickstart.run(config, workdir)
+  return config, workdir, quickstart.run(copy.deepcopy(config), workdir)
+
+
+def embeddings(regime, apply_fn, theta0, params, images):
+  """f(x; θ), or for linear task vectors f_lin(x; θ) = f(x; θ0) + J(θ0)(θ − θ0)."""
+  if regime != 'linearized':
+    return np.asarray(apply_fn(params, images))
+  tangent = jax.tree.map(jnp.subtract, params, theta0)
+  out, dout = jax.jvp(lambda p: apply_fn(p, images), (theta0,), (tangent,))
+  return np.asarray(out + dout)
+
+
+def test_zero_shot_heads_fine_tuning_in_every_regime_and_evaluation(finished):
+  config, workdir, results = finished
   assert set(results['regimes']) == {'full', 'attention_only', 'linearized', 'talos'}
   assert results['control_task'] == 'gamma'
-  for regime in results['regimes'].values():
+  theta0, apply_fn = experiment.load_pretrained(workdir)
+  heads = {t: checkpoint.load_tree(workdir_lib.head_file(workdir, t))[0]['head'] for t in CLASSES}
+  tests = {t: experiment.load_task(config, t).test for t in ('alpha', 'beta')}
+  tests = {t: test.batch(np.arange(len(test))) for t, test in tests.items()}
+  for name, regime in results['regimes'].items():
     assert set(regime['finetuned']) >= {'alpha', 'beta'}
-    assert 0 <= regime['addition']['mean_test'] <= 1
+    # Addition's test accuracies are the share of test images whose cosine-head argmax (numpy)
+    # is their label, on θ0 + α(τ_alpha + τ_beta) at the chosen α, through f_lin for linear
+    # vectors; the mean is their mean.
+    addition = regime['addition']
+    vectors = [checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, name, t))[0]
+               for t in ('alpha', 'beta')]
+    params = jax.tree.map(lambda t0, a, b: t0 + addition['alpha'] * (a + b), theta0,
+                          vectors[0].delta, vectors[1].delta)
+    for t, (pixels, labels) in tests.items():
+      predicted = references.cosine_predictions(
+          embeddings(name, apply_fn, theta0, params, pixels), heads[t])
+      assert addition['test'][t] == np.mean(predicted == labels), (name, t)
+    assert addition['mean_test'] == pytest.approx(np.mean([addition['test'][t] for t in tests]))
   # θ0 is the checkpoint's image tower, each head zero-shot from its text tower.
-  theta0, _ = experiment.load_pretrained(workdir)
   imported, _ = hf.load(config.weights, 'clip_vision')
   np.testing.assert_array_equal(theta0['proj']['kernel'], imported['proj']['kernel'])
   text_params, text_model = hf.load(config.weights, 'clip_text')
@@ -127,8 +161,9 @@ def test_zero_shot_heads_fine_tuning_in_every_regime_and_evaluation(setup):
       assert [json.loads(line) for line in f][-1]['step'] == steps
 
 
-def test_merges_export_to_a_model_transformers_loads(setup, tmp_path):
-  config, workdir = setup
+def test_merges_export_to_a_model_transformers_loads(finished, tmp_path):
+  config, workdir, _ = finished
+  config = copy.deepcopy(config)
   merged = merge.run(config, workdir)
   assert set(merged['full']['methods']) >= {'task_arithmetic', 'ties'}
   config.export.update(method='ties', output=str(tmp_path / 'merged'))
@@ -152,12 +187,33 @@ def test_the_backdoor_experiment_runs_on_images_on_disk(setup, tmp_path):
   config = copy.deepcopy(config)
   config.regimes = 'full'
   config.safety.victims = 'alpha'
-  summary = safety.run(config, str(tmp_path))
+  workdir = str(tmp_path)
+  summary = safety.run(config, workdir)
+  assert set(summary['fine_tunes'][0]) == {'clean/alpha', 'clean/beta', 'badnets/alpha'}
+  # The pretrained model's clean accuracy and ASR, recomputed in numpy from its embeddings:
+  # the share of test images classified right, and of those not of the target class that the
+  # triggered image sends to the target.
+  theta0, apply_fn = experiment.load_pretrained(workdir)
+  target = config.poison.target
+  for t in ('alpha', 'beta'):
+    test = experiment.load_task(config, t).test
+    head = checkpoint.load_tree(workdir_lib.head_file(workdir, t))[0]['head']
+    pixels, labels = test.batch(np.arange(len(test)))
+    triggered, _ = test.with_trigger(experiment.trigger(config, 'badnets')).batch(
+        np.arange(len(test)))
+    predict = lambda x, head=head: references.cosine_predictions(
+        np.asarray(apply_fn(theta0, x)), head)
+    assert summary['pretrained']['test'][t] == np.mean(predict(pixels) == labels), t
+    assert summary['pretrained']['asr']['badnets'][t] == references.attack_success_rate(
+        predict(triggered), labels, target), t
+  # Each merge's scores: succession is the poisoned task's ASR, transfer the clean task's,
+  # and the clean accuracy is the mean over the tasks.
   merges = {m['method']: m for m in summary['merges']}
   assert set(merges) == {'task_arithmetic', 'dam'}
   for m in merges.values():
-    assert 0 <= m['succession'] <= 1 and 0 <= m['mean_test'] <= 1
-  assert set(summary['fine_tunes'][0]) == {'clean/alpha', 'clean/beta', 'badnets/alpha'}
+    assert m['poisoned'] == ['alpha'] and set(m['asr']) == set(m['test']) == {'alpha', 'beta'}
+    assert m['succession'] == m['asr']['alpha'] and m['transfer'] == m['asr']['beta']
+    assert m['mean_test'] == pytest.approx(np.mean(list(m['test'].values())))
 
 
 def test_images_on_disk_carry_a_trigger_as_the_suites_do(setup):

@@ -20,6 +20,7 @@ from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import quickstart
 from editing.jobs import workdir as workdir_lib
+from merging import ties
 from merging.jobs import merge
 from merging.jobs import safety
 from tests.conftest import REPO
@@ -151,19 +152,61 @@ def test_unknown_task_is_named(tmp_path):
 MERGE_METHODS = ('averaging', 'ties', 'fisher', 'adamerging_layer')
 
 
+def ties_grid(config) -> list[dict]:
+  """The TIES settings a sweep tries: config.ties with each density of its one axis,
+  config.sweep.ties.density, in order."""
+  axes = [k for k, v in config.sweep.ties.items() if v is not None]
+  assert axes == ['density'], axes
+  return [{**dict(config.ties.items()), 'density': d} for d in config.sweep.ties.density]
+
+
+def assert_ties_chosen_on_validation(config, workdir, regime, result):
+  """A sweep's TIES `result` holds the first setting of the grid and the first λ of its grid
+  with the best mean normalized validation accuracy (each task's accuracy over its fine-tuned
+  model's), re-measured here for every setting and λ; its test accuracies are the chosen
+  merge's there."""
+  tasks = experiment.tasks(config)
+  theta0, apply_fn = experiment.load_pretrained(workdir)
+  evaluator = experiment.evaluator(config, apply_fn, regime)
+  vectors = [checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, regime, t))[0]
+             for t in tasks]
+  data = {t: experiment.load_task(config, t) for t in tasks}
+  heads = {t: experiment.head(config, workdir, data[t], theta0, apply_fn) for t in tasks}
+  finetuned = {t: evaluator.accuracy(theta0, evaluator.edit(theta0, v, 1.0), heads[t],
+                                     data[t].val) for t, v in zip(tasks, vectors)}
+  # λ on 0, step, ..., the lambda_max that TIES' registry entry declares.
+  step, stop = config.merge.lambda_step, merging.get('ties').lambda_max
+  lambdas = [round(i * step, 10) for i in range(round(stop / step) + 1)]
+  sweep = []
+  for settings in ties_grid(config):
+    merged = ties.merge(vectors, **settings)
+    curve = [float(np.mean([evaluator.accuracy(theta0, evaluator.edit(theta0, merged, lam),
+                                               heads[t], data[t].val) / finetuned[t]
+                            for t in tasks])) for lam in lambdas]
+    sweep.append((settings, merged, curve))
+  best = max(max(curve) for _, _, curve in sweep)
+  settings, merged, curve = next(s for s in sweep if max(s[2]) == best)
+  assert result['hyperparameters'] == settings, [(s, max(c)) for s, _, c in sweep]
+  assert result['normalized_val'] == pytest.approx(best)
+  assert result['lambda'] == pytest.approx(lambdas[curve.index(best)])
+  params = evaluator.edit(theta0, merged, result['lambda'])
+  for t in tasks:
+    assert result['test'][t] == evaluator.accuracy(theta0, params, heads[t], data[t].test), t
+
+
 def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   _, workdir, _ = tiny_run
   config = merge_config.get_config('tiny')
   config.regimes = 'talos'
   config.merge.methods = ','.join(MERGE_METHODS)
-  config.ties.density = (0.1, 0.3)
+  config.sweep.ties.density = (0.1, 0.3)
   summary = merge.run(config, workdir)['talos']
   directory = workdir_lib.merge_dir(workdir, 'talos')
   with open(os.path.join(directory, 'results.json')) as f:
     assert json.load(f)['methods'].keys() == set(MERGE_METHODS)
-  ties = summary['methods']['ties']
-  assert ties['hyperparameters']['density'] in (0.1, 0.3)
-  assert ties['swept'] == ['density', 'scope']
+  ties_result = summary['methods']['ties']
+  assert ties_result['swept'] == ['density']
+  assert_ties_chosen_on_validation(config, workdir, 'talos', ties_result)
   assert summary['methods']['averaging']['lambda'] == 1.0
   for name, result in summary['methods'].items():
     assert result['mean_test'] == pytest.approx(np.mean(list(result['test'].values())))
@@ -181,7 +224,7 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   # A rerun with the same settings reuses every result; other settings redo that method only.
   again = merge.run(config, workdir)['talos']
   assert again['methods'] == json.loads(json.dumps(summary['methods']))
-  config.ties.density = (0.5,)
+  config.sweep.ties.density = (0.5,)
   changed = merge.run(config, workdir)['talos']['methods']
   assert changed['ties']['hyperparameters']['density'] == 0.5
   assert changed['fisher'] == again['methods']['fisher']
@@ -217,16 +260,10 @@ def test_a_non_finite_merge_is_refused_before_it_is_applied_or_saved(tiny_run, t
   assert not os.path.exists(os.path.join(directory, 'result.json'))
 
 
-def test_merge_grids_are_typed_and_checked_against_the_method_signature():
+def test_merge_refuses_unknown_methods_settings_and_what_a_regime_cannot_merge():
+  """What the merge job refuses before it reads a workdir. (How a grid is built from
+  config.sweep and each value checked: tests/test_settings.py.)"""
   config = merge_config.get_config('tiny')
-  config.ties.density = (0.1, 0.2)
-  config.ties.scope = ('tensor', 'global')
-  grid = merge.hyperparameter_grid(config, 'ties')
-  assert len(grid) == 4 and {'density': 0.2, 'scope': 'tensor'} in grid
-  assert merge.hyperparameter_grid(config, 'fisher') == [{'batch_size': 32}]
-  assert merge.hyperparameter_grid(config, 'task_arithmetic') == [{}]
-  # DAM's ablations read DAM's section.
-  assert merge.hyperparameter_grid(config, 'dam_shared') == merge.hyperparameter_grid(config, 'dam')
   config.merge.methods = 'ties,tie'
   with pytest.raises(ValueError, match=r"config.merge.methods: unknown method\(s\) \['tie'\]"):
     merge.run(config, '/nonexistent')
@@ -239,17 +276,19 @@ def test_merge_grids_are_typed_and_checked_against_the_method_signature():
   with pytest.raises(ValueError, match='dam_oracle.*true backdoor trigger'):
     merge.run(config, '/nonexistent')
   config.merge.methods = 'ties'
-  config.ties = ml_collections.ConfigDict(dict(densty=(0.1,)))
-  with pytest.raises(ValueError, match=r'config.ties.densty is not a setting of ties.*density'):
+  config.sweep.ties = ml_collections.ConfigDict(dict(densty=(0.1,)))
+  with pytest.raises(ValueError,
+                     match=r'config.sweep.ties.densty is not a setting of ties.*density'):
     merge.run(config, '/nonexistent')
-  config.ties = ml_collections.ConfigDict(dict(scope=('tensor', 1)))
-  with pytest.raises(ValueError, match='config.ties.scope: 1 is a int, but ties takes a str'):
+  config.sweep.ties = ml_collections.ConfigDict(dict(scope=('tensor', 1)))
+  with pytest.raises(ValueError, match=r"config.sweep.ties.scope = 1: must be one of"):
     merge.run(config, '/nonexistent')
-  config.ties = ml_collections.ConfigDict(dict(density=(0.1, '0.2')))
-  with pytest.raises(ValueError, match=r"config.ties.density = '0.2': must be a number in"):
+  config.sweep.ties = ml_collections.ConfigDict(dict(density=(0.1, '0.2')))
+  with pytest.raises(ValueError, match=r"config.sweep.ties.density = '0.2': must be a number in"):
     merge.run(config, '/nonexistent')
-  config.ties = ml_collections.ConfigDict(dict(density=()))
-  with pytest.raises(ValueError, match='config.ties.density is an empty grid'):
+  config.sweep.ties = ml_collections.ConfigDict()
+  config.ties = ml_collections.ConfigDict(dict(densty=0.1))
+  with pytest.raises(ValueError, match=r'config.ties.densty is not a setting.*density'):
     merge.run(config, '/nonexistent')
 
 
@@ -272,7 +311,12 @@ def test_readme_library_example_runs_and_the_safety_job_scores_asr(tiny_run, tmp
 
   sweep = namespace['sweep']
   assert set(sweep['methods']) == {'task_arithmetic', 'ties'}
-  assert sweep['methods']['ties']['hyperparameters']['density'] in (0.1, 0.2)
+  # The example's sweep: the tiny merge config with its TIES density grid.
+  assert "config = merge_config.get_config('tiny')" in code
+  assert 'config.sweep.ties.density = (0.1, 0.2)' in code
+  sweep_config = merge_config.get_config('tiny')
+  sweep_config.sweep.ties.density = (0.1, 0.2)
+  assert_ties_chosen_on_validation(sweep_config, workdir, 'full', sweep['methods']['ties'])
   summary = namespace['attack']
   assert [(r['trigger'], r['poisoned'], r['method']) for r in summary['merges']] == [
       ('badnets', ['digits'], 'task_arithmetic'), ('badnets', ['digits'], 'dam_oracle')]
