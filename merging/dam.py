@@ -148,12 +148,15 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   vectors = task_vectors
   for mask in learned_masks.values():
     vectors = masked(vectors, mask)
-  refit = adamerging.learn(vectors, theta0=theta0, data=data, key=key, granularity=granularity,
-                           steps=refit_steps, learning_rate=learning_rate, init=init,
-                           batch_size=batch_size)
+  # No refit steps keep λ at its initial value (AdaMerging itself takes at least one step).
+  coefficients = (adamerging.learn(vectors, theta0=theta0, data=data, key=key,
+                                   granularity=granularity, steps=refit_steps,
+                                   learning_rate=learning_rate, init=init,
+                                   batch_size=batch_size).coefficients if refit_steps else
+                  adamerging.initial_coefficients(len(vectors), theta0, granularity, init))
   if trigger is not None or 'safe' not in masks:
     perturbations = {}
-  return Learned(refit.coefficients, learned_masks, perturbations, objectives)
+  return Learned(coefficients, learned_masks, perturbations, objectives)
 
 
 def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularity, steps,

@@ -136,3 +136,19 @@ def test_a_merge_called_from_python_checks_its_settings_too():
     merging.get('breadcrumbs').merge([vector], top=0.5, bottom=0.6)
   merged = functools.partial(ties.merge, density=1.0)([vector, vector]).delta['w']
   assert math.isclose(float(merged.sum()), 6.0)
+
+
+def test_dam_takes_no_refit_steps_and_keeps_its_initial_lambda():
+  from merging import adamerging  # pylint: disable=g-import-not-at-top
+  from merging import common  # pylint: disable=g-import-not-at-top
+  from merging import dam  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  theta0 = {'w': np.ones((3, 2), np.float32)}
+  vector = TaskVector({'w': np.full((3, 2), 0.5, np.float32)}, ('a',), 'full', 'base')
+  data = {'a': common.TaskData(lambda p, x: x @ p['w'], np.ones((4, 3), np.float32))}
+  learned = dam.learn([vector], theta0=theta0, data=data, key=jax.random.PRNGKey(0), masks=(),
+                      refit_steps=0, init=0.25)
+  np.testing.assert_array_equal(learned.coefficients, jnp.full((1,), 0.25))
+  with pytest.raises(UserError, match=r'adamerging.steps = 0: must be an integer in \[1, inf\)'):
+    adamerging.learn([vector], theta0=theta0, data=data, key=jax.random.PRNGKey(0), steps=0)
