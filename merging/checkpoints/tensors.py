@@ -39,12 +39,9 @@ class TensorMerge:
     self.ranking = ranking.TensorRanking(base, tuned, plan, pool, self.key, self.labels)
 
   def prepare(self, name: str) -> dict:
+    """What `block` needs of the tensor `name` (whose inputs' shapes and dtypes the job
+    checked before it wrote anything)."""
     shape, dtype = self.base.header(name)
-    for path, ckpt in zip(self.paths[1:], self.tuned):
-      theirs = ckpt.header(name)
-      if theirs != (shape, dtype):
-        raise UserError(f'{path}: {name} is {theirs[1]}{list(theirs[0])}, the base '
-                        f'{dtype}{list(shape)}')
     size = math.prod(shape)
     state = {'name': name, 'dtype': dtype}
     if not jnp.issubdtype(dtype, jnp.floating):
