@@ -9,10 +9,11 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
   python -m launch.merge_checkpoints --config.mergekit=merge.yaml --config.output=/models/m
 
 Methods: every data-free method of merging/ (averaging, task_arithmetic, ties (per tensor),
-dare, breadcrumbs, consensus, magmax, tsv_m, iso_c, iso_cts, wudi, model_stock: the same
-functions the suite's merges call), negation (θ0 − λτ) and extract (write τ). task_arithmetic, ties and
-dare take per-model `weights` and `normalize` as mergekit does; `mergekit` reads a mergekit
-YAML config (merging/jobs/mergekit.py) in place of the flags it sets.
+dare, breadcrumbs, consensus, magmax, della, sce, slerp, nuslerp, multislerp, karcher, tsv_m,
+iso_c, iso_cts, wudi, model_stock: the same functions the suite's merges call), negation
+(θ0 − λτ) and extract (write τ). The weighted ones take per-model `weights` as mergekit does;
+`mergekit` reads a mergekit YAML config (merging/jobs/mergekit.py) in place of the flags it
+sets. The output's README.md records the merge (and the recipe).
 """
 
 import ml_collections
@@ -29,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.overwrite = False  # replace an output that is not this merge's own
   config.method = 'task_arithmetic'
   config.scale = 1.0  # λ in θ0 + λ·τ_m (θ0 − λ·τ for negation)
-  config.seed = 0  # DARE's key; each tensor's draw is keyed by its name
+  config.seed = 0  # DARE's and DELLA's key (mergekit's --random-seed); keyed by tensor name
   config.shard_bytes = 2 * 1024**3
   config.allow_nonfinite = False
   config.weights = ''  # per model, comma-separated, in the order of config.models
@@ -38,7 +39,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
   # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
   # each tensor on its own here, as mergekit does.
-  for method in ('task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus'):
-    config[method] = merging.defaults(method)
+  for method, entry in merging.REGISTRY.items():
+    if entry.data_free:
+      config[method] = merging.defaults(method)
   config.ties.scope = config.dare.scope = 'tensor'
   return config

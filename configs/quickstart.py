@@ -105,9 +105,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of `task` (its data, θ0 and head drawn from `seed`), or of random images of `image_size`
   # pixels when it is not 0, over `steps` steps after compiling, with MFU against
   # `peak_flops` per device (0: a known accelerator's bf16 peak); 'merge_checkpoints' times
-  # streaming checkpoint merges against the I/O floor.
+  # streaming checkpoint merges against the I/O floor; 'mergekit' runs `recipes` (all: '')
+  # through the `mergekit` command given and editmerge, and compares them.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
-                                                    steps=20, image_size=0, peak_flops=0.0))
+                                                    steps=20, image_size=0, peak_flops=0.0,
+                                                    mergekit='', recipes=''))
 
   # Devices: 0 means all visible ones, on a (data, fsdp, tensor) mesh whose data axis takes
   # what fsdp × tensor leave. Params are placed by the logical-axis rules of `preset` ('dp'

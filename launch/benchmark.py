@@ -6,6 +6,10 @@ r"""Benchmarks, each measured as ratios in one run.
   python -m launch.benchmark --config.benchmark.job=merge_checkpoints
       streaming checkpoint merges against the I/O floor on a generated Llama-shaped fixture
       (`merging.jobs.checkpoint_benchmark`); writes <workdir>/checkpoint_benchmark.json
+  python -m launch.benchmark --config.benchmark.job=mergekit \
+      --config.benchmark.mergekit=/path/to/bin/mergekit-yaml
+      each mergekit recipe through mergekit and editmerge: their difference and time
+      (`merging.jobs.mergekit_parity`); writes <workdir>/mergekit_parity.json
 """
 
 from configs import quickstart as quickstart_config
@@ -13,8 +17,10 @@ from editing import registry
 from editing.jobs import benchmark
 from editing.jobs import cli
 from merging.jobs import checkpoint_benchmark
+from merging.jobs import mergekit_parity
 
-JOBS = {'regimes': benchmark.run, 'merge_checkpoints': checkpoint_benchmark.run}
+JOBS = {'regimes': benchmark.run, 'merge_checkpoints': checkpoint_benchmark.run,
+        'mergekit': mergekit_parity.run}
 
 
 def run(config, workdir: str):

@@ -26,12 +26,18 @@ from merging import breadcrumbs
 from merging import consensus
 from merging import dam
 from merging import dare
+from merging import della
 from merging import fisher
 from merging import iso_c
 from merging import iso_cts
+from merging import karcher
 from merging import magmax
 from merging import model_stock
+from merging import multislerp
+from merging import nuslerp
 from merging import regmean
+from merging import sce
+from merging import slerp
 from merging import task_arithmetic
 from merging import ties
 from merging import tsv_m
@@ -64,6 +70,8 @@ class Method:
   # Whether an entry's merge reads only that entry of each task vector (a streamed merge may
   # then split a tensor over devices); not so for an SVD or a cosine over the tensor.
   elementwise: bool = True
+  # How many task vectors it merges, where that is fixed (SLERP: one model into the base).
+  vectors: int | None = None
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -72,8 +80,9 @@ class Method:
 
   @property
   def data_free(self) -> bool:
-    """Whether it reads nothing but the task vectors (and a key): it can stream checkpoints."""
-    return set(self.reads) <= {'key'}
+    """Whether it reads nothing but the task vectors, θ0 and a key: it can stream
+    checkpoints."""
+    return set(self.reads) <= {'key', 'theta0'}
 
   @property
   def weighted(self) -> bool:
@@ -87,6 +96,7 @@ class Method:
     return settings_lib.of(self.merge)
 
 
+_SPHERICAL = dict(reads=('theta0',), scaled=False, whole_tensor=True, elementwise=False)
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
 _DAM = dict(_LEARNED, section='dam')
 
@@ -108,6 +118,15 @@ REGISTRY: dict[str, Method] = {
     'wudi': Method(wudi.merge, scaled=False, whole_tensor=True, elementwise=False),
     'model_stock': Method(model_stock.merge, scaled=False, whole_tensor=True,
                           elementwise=False),
+    # mergekit's methods: DELLA and SCE sparsify as TIES does, the spherical interpolations
+    # take the models' weights (or their task vectors) whole and are applied as they are.
+    'della': Method(della.merge, reads=('key',), whole_tensor=True, elementwise=False,
+                    lambda_max=3.0),
+    'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0),
+    'slerp': Method(slerp.merge, vectors=1, **_SPHERICAL),
+    'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL),
+    'multislerp': Method(multislerp.merge, **_SPHERICAL),
+    'karcher': Method(karcher.merge, **_SPHERICAL),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
                       refused_regimes=('linearized',)),

@@ -10,6 +10,13 @@ ECCV 2024:
 The largest entries are outliers whose sum interferes across tasks; the smallest are noise.
 Defaults keep 10% of each leaf after dropping its top 1% (`top=0.01`, `bottom=0.89`); λ is
 chosen on validation.
+
+mergekit's `breadcrumbs` and `breadcrumbs_ties` weight the masked deltas (`weights` w_t), and
+the latter elects a sign as TIES does: τ_m = Σ_t a_t w_t m_t τ_t, with a_t[j] whether τ_t[j]
+agrees with γ = sgn(Σ_t w_t m_t τ_t) (all ones without `elect_sign`), divided by Σ_t a_t w_t
+if `normalize`. Its (density d, gamma γ) are top = γ, bottom = 1 − d − γ here; it counts
+the smallest ones as n − ⌊d·n⌋ − ⌊γ·n⌋, so the two bands may differ by an entry or two per
+tensor, and where ⌊γ·n⌋ = 0 it zeroes the whole tensor (an empty slice), which is not followed.
 """
 
 from typing import Any, Sequence
@@ -23,14 +30,20 @@ from merging import ops
 @settings.declare(
     top=settings.number(0.01, '[0, 1)', 'the share of each leaf\'s largest magnitudes dropped'),
     bottom=settings.number(0.89, '[0, 1)', 'the share of its smallest magnitudes dropped'),
+    elect_sign=settings.flag(False, 'keep only the entries that agree with the elected sign '
+                             "(mergekit's breadcrumbs_ties)"),
+    normalize=settings.flag(False, 'divide by the (agreeing) weights; else a sum'),
     constraint=settings.Constraint(lambda s: s['top'] + s['bottom'] < 1,
                                    'top + bottom must be < 1 (something must be kept)'))
-def merge(task_vectors: Sequence[TaskVector], *, top: float, bottom: float,
+def merge(task_vectors: Sequence[TaskVector], *, top: float, bottom: float, elect_sign: bool,
+          normalize: bool, weights: Sequence[float] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
   """Σ_t of each vector with its per-leaf magnitude tails dropped; `keep`, if given, holds the
   band masks already ranked (a streamed merge ranks each tensor on the host first)."""
   check_compatible(task_vectors, 'breadcrumbs')
   if keep is None:
     keep = [ops.keep_band(v.delta, top, bottom) for v in task_vectors]
-  return common.merged(task_vectors, sum(
-      v.replace(delta=ops.where(k, v.delta)) for k, v in zip(keep, task_vectors)).delta)
+  if weights is not None:
+    common.check_weights(weights, len(task_vectors), 'breadcrumbs')
+  masked = [ops.where(k, v.delta) for k, v in zip(keep, task_vectors)]
+  return common.merged(task_vectors, ops.combine(masked, weights, elect_sign, normalize))

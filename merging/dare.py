@@ -16,6 +16,10 @@ fold_in(fold_in(key, stable_hash(task)), stable_hash(path)). What holds, exactly
 - reordering the vectors changes only the float summation order of the merge: the same value
   up to rounding, not necessarily the same bits.
 p = 0 is the base merge exactly.
+
+The paper rescales the kept entries by 1/(1 − p); mergekit (since 2024) instead scales each
+tensor's kept entries to the tensor's L1 norm, ‖τ‖₁/‖m ⊙ τ‖₁ (`rescale='l1_norm'`, what its
+YAML recipes get here).
 """
 
 from typing import Any, Sequence
@@ -32,20 +36,24 @@ from merging import ties
 BASE_MERGES = ('task_arithmetic', 'ties')
 
 
-def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array) -> list[TaskVector]:
+def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array,
+         rescale: str = 'probability') -> list[TaskVector]:
   """τ̃_t for every vector, each keyed by its tasks' names."""
   return [v.replace(delta=ops.drop_and_rescale(
-      v.delta, p, jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks)))))
+      v.delta, p, jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks))), rescale))
           for v in task_vectors]
 
 
 @settings.declare(
     p=settings.number(0.5, '[0, 1)', 'the drop probability'),
+    rescale=settings.choice('probability', ops.RESCALES, "the kept entries' rescale: by "
+                            "1/(1 − p) (the paper) or to each tensor's L1 norm (mergekit)"),
     then=settings.choice('task_arithmetic', BASE_MERGES, 'the merge of the dropped vectors'),
     density=ties.merge.settings['density'],
     scope=ties.merge.settings['scope'],
     normalize=settings.flag(None, "divide by the (agreeing) weights; None: `then`'s default"))
-def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, then: str,
+def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, rescale: str,
+          then: str,
           density: float, scope: str, normalize: bool | None,
           weights: Sequence[float] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
@@ -53,7 +61,7 @@ def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, then:
   `normalize` (None: `then`'s default); `keep`, TIES' masks of the dropped vectors ranked
   beforehand (see `ties.trim`)."""
   check_compatible(task_vectors, 'dare')
-  dropped = drop(task_vectors, p, key)
+  dropped = drop(task_vectors, p, key, rescale)
   options = {'weights': weights, **({} if normalize is None else {'normalize': normalize})}
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped, **options)

@@ -1,14 +1,15 @@
 """Model Stock: the fine-tuned models' mean pulled toward θ0 by the angle between their deltas.
 
 Jang et al., "Model Stock: All we need is just a few fine-tuned models", ECCV 2024. Per leaf,
-with c the mean pairwise cosine of the N task vectors (norms clamped at 1e-6, as mergekit's
-model_stock.py),
+with c the mean pairwise cosine of the N task vectors (each pair's cosine with its norms'
+product clamped at 1e-6 and the cosine at [−1, 1], as mergekit's model_stock.py),
 
   t = N·c / ((N − 1)·c + 1),   θ = t·mean_t θ_t + (1 − t)·θ0,   so τ_m = t · mean_t τ_t,
 
 applied at λ = 1. mergekit averages the pairwise cosines (followed here); FusionBench averages
 the pairwise angles in degrees. Neither guards c ≤ 0, where t turns negative and blows up at
-c = −1/(N − 1); here c is clipped to [0, 1], so that deltas at right or wider angles give θ0.
+c = −1/(N − 1); here c is clipped to [0, 1] (`clip`), so that deltas at right or wider
+angles give θ0. mergekit's recipes run without the clip, as mergekit does.
 """
 
 from typing import Sequence
@@ -16,27 +17,32 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from editing import settings
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
 
-def ratio(deltas: Sequence[jax.Array]) -> jax.Array:
+def ratio(deltas: Sequence[jax.Array], clip: bool = True) -> jax.Array:
   """t of one leaf's N deltas."""
   n = len(deltas)
   flat = [jnp.ravel(d).astype(jnp.float32) for d in deltas]
-  norms = [jnp.maximum(jnp.linalg.norm(f), 1e-6) for f in flat]
-  cosines = [jnp.dot(flat[i], flat[j]) / (norms[i] * norms[j])
+  norms = [jnp.linalg.norm(f) for f in flat]
+  cosines = [jnp.clip(jnp.dot(flat[i], flat[j]) / jnp.maximum(norms[i] * norms[j], 1e-6), -1, 1)
              for i in range(n) for j in range(i + 1, n)]
-  c = jnp.clip(sum(cosines) / len(cosines), 0.0, 1.0)
+  c = sum(cosines) / len(cosines)
+  if clip:
+    c = jnp.clip(c, 0.0, 1.0)
   return n * c / ((n - 1) * c + 1)
 
 
-def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
+@settings.declare(clip=settings.flag(True, 'clip the mean cosine to [0, 1] (right or wider '
+                                     'angles give θ0); mergekit does not'))
+def merge(task_vectors: Sequence[TaskVector], *, clip: bool) -> TaskVector:
   """τ_m = t · mean τ_t per leaf."""
   check_compatible(task_vectors, 'model_stock')
   if len(task_vectors) < 2:
     raise UserError(f'model_stock needs at least 2 task vectors (their angle sets the ratio), '
                     f'got {len(task_vectors)}')
   return common.merged(task_vectors, jax.tree.map(
-      lambda *ds: ratio(ds) * sum(ds) / len(ds), *[v.delta for v in task_vectors]))
+      lambda *ds: ratio(ds, clip) * sum(ds) / len(ds), *[v.delta for v in task_vectors]))

@@ -78,8 +78,36 @@ def disjoint_mean(deltas: Sequence[PyTree], sign: PyTree,
   return jax.tree.map(mean, sign, *deltas)
 
 
-def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
-  """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE).
+def combine(deltas: Sequence[PyTree], weights: Sequence[float] | None = None,
+            elect: bool = True, normalize: bool = True) -> PyTree:
+  """mergekit's generalized task arithmetic of sparsified deltas δ_t: weighted, w_t·δ_t; then,
+  if `elect`, the disjoint mean of the weighted deltas (TIES' sign election), else their sum,
+  divided by Σ_t w_t if `normalize`."""
+  weights = [1.0] * len(deltas) if weights is None else list(weights)
+  weighted = [jax.tree.map(lambda x, w=w: w * x, d) for d, w in zip(deltas, weights)]
+  if elect:
+    return disjoint_mean(weighted, elect_sign(weighted), weights, normalize)
+  total = jax.tree.map(lambda *xs: sum(xs), *weighted)
+  return jax.tree.map(lambda x: x / sum(weights), total) if normalize else total
+
+
+# How a sparsified delta is rescaled: by 1/(1 − p), the inverse keep probability of each entry
+# (DARE's and DELLA's papers), or to the tensor's own L1 norm, ‖δ‖₁/‖m ⊙ δ‖₁ (mergekit).
+RESCALES = ('probability', 'l1_norm')
+
+
+def rescale_l1(delta: jax.Array, masked: jax.Array, eps: float = 1e-7) -> jax.Array:
+  """m ⊙ δ scaled to δ's L1 norm, left as it is where either norm is below `eps` (mergekit's
+  `rescaled_masked_tensor`)."""
+  before, after = jnp.abs(delta).sum(), jnp.abs(masked).sum()
+  small = (before < eps) | (after < eps)
+  return masked * jnp.where(small, 1.0, before / jnp.where(small, 1.0, after))
+
+
+def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
+                     rescale: str = 'probability') -> PyTree:
+  """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE); with rescale='l1_norm',
+  (1 − m) ⊙ τ scaled to τ's L1 norm per leaf instead.
 
   Each leaf draws from fold_in(key, stable_hash(path)), so the result does not depend on the
   traversal order, the device count or the sharding; p = 0 returns τ unchanged.
@@ -90,6 +118,8 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array) -> PyTree:
   def drop(path, d):
     keep = jax.random.bernoulli(jax.random.fold_in(key, tree_lib.stable_hash(path)), 1 - p,
                                 d.shape)
+    if rescale == 'l1_norm':
+      return rescale_l1(d, jnp.where(keep, d, jnp.zeros_like(d)))
     return jnp.where(keep, d / (1 - p), jnp.zeros_like(d))
 
   return tree_lib.map_with_path(drop, delta)

@@ -19,8 +19,6 @@ election, and the mean divides by the agreeing weights,
 
 from typing import Any, Sequence
 
-import jax
-
 from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -47,9 +45,7 @@ def merge(task_vectors: Sequence[TaskVector], *, density: float, scope: str, nor
           keep: Sequence[Any] | None = None) -> TaskVector:
   """The TIES merge τ_m of the task vectors (before λ)."""
   check_compatible(task_vectors, 'ties')
-  trimmed = trim(task_vectors, density, scope, keep)
   if weights is not None:
     common.check_weights(weights, len(task_vectors), 'ties')
-    trimmed = [jax.tree.map(lambda x, w=w: w * x, t) for t, w in zip(trimmed, weights)]
-  return common.merged(task_vectors, ops.disjoint_mean(trimmed, ops.elect_sign(trimmed),
-                                                       weights, normalize))
+  return common.merged(task_vectors, ops.combine(trim(task_vectors, density, scope, keep),
+                                                 weights, normalize=normalize))

@@ -81,3 +81,15 @@ def attack_success_rate(predictions: np.ndarray, labels: np.ndarray, target: int
   """The share of the examples whose true label is not `target` that are sent to `target`."""
   others = np.asarray(labels) != target
   return float(np.mean(np.asarray(predictions)[others] == target))
+
+
+def slerp(t: float, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """mergekit's slerp of two tensors read as flat vectors (lerp where |cos Ω| > 0.9995)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  ua = a / np.linalg.norm(a) if np.linalg.norm(a) > 1e-8 else a
+  ub = b / np.linalg.norm(b) if np.linalg.norm(b) > 1e-8 else b
+  cos = np.sum(ua * ub)
+  if abs(cos) > 0.9995:
+    return (1 - t) * a + t * b
+  omega = np.arccos(cos)
+  return (np.sin((1 - t) * omega) * a + np.sin(t * omega) * b) / np.sin(omega)

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import merging
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
@@ -72,7 +73,20 @@ PLANS = {
     'iso_cts': checkpoints.Plan('iso_cts', {'common_space_fraction': 0.5}),
     'wudi': checkpoints.Plan('wudi', {'steps': 20, 'learning_rate': 1e-3}),
     'model_stock': checkpoints.Plan('model_stock', {}),
+    'della': checkpoints.Plan('della', {'density': 0.4, 'epsilon': 0.2}, scale=0.8, seed=5),
+    'sce': checkpoints.Plan('sce', {'select_topk': 0.5}),
+    'slerp': checkpoints.Plan('slerp', {'t': 0.3}),
+    'nuslerp': checkpoints.Plan('nuslerp', {'flatten': False}, weights=(1.0, 3.0)),
+    'multislerp': checkpoints.Plan('multislerp', {}, weights=(1.0, 2.0, 1.0)),
+    'karcher': checkpoints.Plan('karcher', {}),
 }
+
+
+def fixed_count(name, models):
+  """The first of `models`, as many as the plan's method takes where that is fixed."""
+  plan = PLANS.get(name)
+  count = 1 if plan is None else merging.get(plan.method).vectors
+  return models if count is None else models[:count]
 
 
 def bits(x):
@@ -84,8 +98,7 @@ def bits(x):
 def test_streamed_merge_equals_the_in_memory_merge_bit_for_bit(tmp_path, name, dtype):
   base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
   plan = PLANS.get(name) or checkpoints.Plan(name, {}, scale=0.5, shard_bytes=2000)
-  if name in checkpoints.SINGLE_MODEL:
-    models = models[:1]
+  models = fixed_count(name, models)
   out = str(tmp_path / 'out')
   summary = checkpoints.merge(base, models, out, plan)
   streamed = reference.read_output(out)
@@ -104,6 +117,7 @@ def test_tensors_merged_in_many_blocks_equal_the_in_memory_merge(tmp_path, monke
   each ranked mask is drawn from its cut a block at a time (bf16, whose deltas tie often)."""
   monkeypatch.setattr(pipeline, 'BLOCK', 64)
   base, models = fixture(str(tmp_path), ml_dtypes.bfloat16, shard_bytes=3000)
+  models = fixed_count(name, models)
   out = str(tmp_path / 'out')
   checkpoints.merge(base, models, out, PLANS[name])
   streamed = reference.read_output(out)
@@ -343,12 +357,12 @@ SPLIT_MERGES = r'''
 import sys
 import jax
 from merging import checkpoints
-from tests.test_checkpoint_merging import PLANS
+from tests.test_checkpoint_merging import PLANS, fixed_count
 base, root = sys.argv[1:3]
 models = [f'{root}/ft{k}' for k in range(3)]
 assert len(jax.devices()) == 8
 for name, plan in PLANS.items():
-  checkpoints.merge(base, models, f'{root}/eight/{name}', plan)
+  checkpoints.merge(base, fixed_count(name, models), f'{root}/eight/{name}', plan)
 '''
 
 
@@ -359,5 +373,5 @@ def test_merges_split_over_eight_devices_write_the_bytes_of_one(tmp_path, run_py
   run_python(['-c', SPLIT_MERGES, base, str(tmp_path)],
              env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
   for name, plan in PLANS.items():
-    checkpoints.merge(base, models, str(tmp_path / 'one' / name), plan)
+    checkpoints.merge(base, fixed_count(name, models), str(tmp_path / 'one' / name), plan)
     assert output_bytes(tmp_path / 'eight' / name) == output_bytes(tmp_path / 'one' / name), name

@@ -1,6 +1,7 @@
 """mergekit's conventions: its weighted merges against a numpy reference, and its YAML recipes
 read onto the checkpoint merge (merging/jobs/mergekit.py)."""
 
+import logging
 import os
 
 import ml_dtypes
@@ -10,6 +11,7 @@ import pytest
 from configs import merge_checkpoints as merge_checkpoints_config
 from editing.errors import UserError
 from merging import checkpoints
+from merging.jobs import mergekit
 from tests import checkpoint_reference as reference
 from tests.test_checkpoint_merging import bits, fixture
 
@@ -88,14 +90,20 @@ dtype: bfloat16
 
 
 @pytest.mark.parametrize('text, message', [
-    ('merge_method: slerp\nbase_model: b\nmodels: [{model: a}]',
-     "merge_method 'slerp' is not supported"),
+    ('merge_method: arcee_fusion\nbase_model: b\nmodels: [{model: a}]',
+     "merge_method 'arcee_fusion' is not supported"),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a}]\nslices: []',
      'slices not supported here'),
-    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gamma: 0.1}}]',
-     r'models\[0\].parameters.gamma not supported'),
+    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gama: 0.1}}]',
+     r'models\[0\].parameters.gama not supported'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
-     '{model: c, parameters: {density: 0.4}}]', r'different densities \[0.2, 0.4\]'),
+     '{model: c, parameters: {density: 0.4}}]', r'different values of density \(\[0.2, 0.4\]\)'),
+    ('merge_method: slerp\nbase_model: b\nmodels: [{model: a}]',
+     'slerp requires parameters.t'),
+    ('merge_method: slerp\nbase_model: b\nparameters: {t: 0.5}\nmodels: [{model: a}, '
+     '{model: c}]', 'slerp merges 1 model besides the base, got 2'),
+    ('merge_method: dare_ties\nbase_model: b\nparameters: {rescale: false}\n'
+     'models: [{model: a}]', 'parameters.rescale = False is not supported here for dare'),
     ('merge_method: ties\nmodels: [{model: a}]', 'base_model is required'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {weight: [0, 1]}}]',
      r'models\[0\].parameters.weight = \[0, 1\] must be a number'),
@@ -108,3 +116,121 @@ def test_unsupported_mergekit_keys_are_named(tmp_path, text, message):
   with pytest.raises(UserError, match=message):
     checkpoints.run(config, str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ['merge.yaml']
+
+
+# mergekit 0.1.5's defaults per method (generalized_task_arithmetic.py, registry.py, sce.py,
+# karcher.py, nuslerp.py), in the settings of the method each one runs here.
+DEFAULTS = {
+    'linear': ('task_arithmetic', {'normalize': True}),
+    'task_arithmetic': ('task_arithmetic', {'normalize': False}),
+    'ties': ('ties', {'normalize': True, 'density': 1.0, 'scope': 'tensor'}),
+    'dare_ties': ('dare', {'then': 'ties', 'normalize': False, 'rescale': 'l1_norm', 'p': 0.0,
+                           'density': 1.0, 'scope': 'tensor'}),
+    'dare_linear': ('dare', {'then': 'task_arithmetic', 'normalize': False,
+                             'rescale': 'l1_norm', 'p': 0.0}),
+    'breadcrumbs': ('breadcrumbs', {'elect_sign': False, 'normalize': False, 'top': 0.0,
+                                    'bottom': 0.0}),
+    'breadcrumbs_ties': ('breadcrumbs', {'elect_sign': True, 'normalize': False, 'top': 0.0,
+                                         'bottom': 0.0}),
+    'della': ('della', {'elect_sign': True, 'normalize': True, 'rescale': 'l1_norm',
+                        'density': 1.0, 'epsilon': 0.15}),
+    'della_linear': ('della', {'elect_sign': False, 'normalize': False, 'rescale': 'l1_norm',
+                               'density': 1.0, 'epsilon': 0.15}),
+    'sce': ('sce', {'select_topk': 1.0}),
+    'model_stock': ('model_stock', {'clip': False}),
+    'multislerp': ('multislerp', {'task_space': True}),
+    'karcher': ('karcher', {'max_iter': 10, 'tol': 1e-5, 'task_space': False}),
+}
+
+
+def read(tmp_path, text):
+  config = merge_checkpoints_config.get_config()
+  return mergekit.apply(config, mergekit_yaml(tmp_path / 'merge.yaml', text))
+
+
+@pytest.mark.parametrize('method', sorted(DEFAULTS))
+def test_each_mergekit_method_runs_with_mergekits_defaults(tmp_path, method):
+  base, models = fixture(str(tmp_path))
+  config = read(tmp_path, f'merge_method: {method}\nbase_model: {base}\n'
+                f'models: [{{model: {models[0]}}}, {{model: {models[1]}}}]')
+  ours, expected = DEFAULTS[method]
+  assert config.method == ours and config.scale == 1.0
+  assert {k: config[ours][k] for k in expected} == expected
+
+
+def test_per_model_parameters_and_lambda_map_onto_the_settings(tmp_path):
+  base, models = fixture(str(tmp_path))
+  two = f'base_model: {base}\nmodels:\n' + ''.join(
+      f'  - {{model: {m}, parameters: {{weight: {w}, density: 0.3}}}}\n'
+      for m, w in zip(models, (0.25, 0.75)))
+  dare = read(tmp_path, 'merge_method: dare_ties\nparameters: {lambda: 0.5}\n' + two)
+  assert (dare.dare.p, dare.weights, dare.scale) == (pytest.approx(0.7), '0.25,0.75', 0.5)
+  della = read(tmp_path, 'merge_method: della\nparameters: {epsilon: 0.1}\n' + two)
+  assert (della.della.density, della.della.epsilon) == (0.3, 0.1)
+  crumbs = read(tmp_path, 'merge_method: breadcrumbs_ties\nparameters: {gamma: 0.05}\n' + two)
+  assert (crumbs.breadcrumbs.top, crumbs.breadcrumbs.bottom) == (0.05, pytest.approx(0.65))
+  # d + γ > 1: mergekit drops fewer of the largest, so that a share d is kept.
+  dense = read(tmp_path, 'merge_method: breadcrumbs\nparameters: {gamma: 0.2, density: 0.9}\n'
+               f'base_model: {base}\nmodels: [{{model: {models[0]}}}]')
+  assert (dense.breadcrumbs.top, dense.breadcrumbs.bottom) == (pytest.approx(0.1), 0.0)
+
+
+def test_dare_ties_sums_the_agreeing_deltas_without_normalizing(tmp_path):
+  """mergekit's dare_ties does not divide by the agreeing weights (normalize defaults to false
+  for it, unlike ties): at density 1, θ0 + Σ_t a_t w_t τ_t, checked in numpy."""
+  base, models = fixture(str(tmp_path))
+  weights = (0.5, 1.5)
+  config = read(tmp_path, f'merge_method: dare_ties\nbase_model: {base}\nmodels:\n' + ''.join(
+      f'  - {{model: {m}, parameters: {{weight: {w}}}}}\n' for m, w in zip(models, weights)))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  out = reference.read_output(config.output)
+  theta0 = reference.read_output(base)
+  thetas = [reference.read_output(m) for m in models[:2]]
+  w = np.asarray(weights)[:, None]
+  for n, x0 in theta0.items():
+    weighted = w * np.stack([t[n] - x0 for t in thetas]).reshape(2, -1).astype(np.float64)
+    sign = np.where(weighted.sum(0) >= 0, 1.0, -1.0)
+    agree = (np.sign(weighted) == sign) & (weighted != 0)
+    np.testing.assert_allclose(out[n], x0 + (weighted * agree).sum(0).reshape(x0.shape),
+                               rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_a_parameter_mergekit_ignores_is_accepted_with_a_warning(tmp_path, caplog):
+  base, models = fixture(str(tmp_path))
+  text = (f'merge_method: task_arithmetic\nbase_model: {base}\n'
+          f'models: [{{model: {models[0]}, parameters: {{weight: 1.0, density: 0.5}}}}]\n')
+  with caplog.at_level(logging.WARNING):
+    config = read(tmp_path, text + 'parameters: {int8_mask: true, t: 0.3}\n')
+  warned = [r.getMessage() for r in caplog.records if 'is ignored' in r.getMessage()]
+  assert any('models[0].parameters.density is ignored' in m for m in warned), warned
+  assert any('parameters.t is ignored' in m for m in warned), warned
+  assert config.method == 'task_arithmetic' and config.task_arithmetic.normalize is False
+
+
+def test_spherical_recipes_without_a_base_interpolate_the_models_weights(tmp_path):
+  base, models = fixture(str(tmp_path))
+  listed = f'models: [{{model: {models[0]}}}, {{model: {models[1]}}}]\n'
+  nuslerp = read(tmp_path, 'merge_method: nuslerp\n' + listed)
+  # The first model is the origin of the task vectors; the weights are interpolated.
+  assert (nuslerp.base, nuslerp.models) == (models[0], f'{models[0]},{models[1]}')
+  assert nuslerp.nuslerp.task_space is False
+  with_base = read(tmp_path, f'merge_method: nuslerp\nbase_model: {base}\n' + listed)
+  assert (with_base.base, with_base.nuslerp.task_space) == (base, True)
+  # mergekit's Karcher mean averages every model it is given, the base model too.
+  karcher = read(tmp_path, f'merge_method: karcher\nbase_model: {base}\n' + listed)
+  assert karcher.models == f'{base},{models[0]},{models[1]}'
+
+
+def test_the_output_card_records_the_merge_and_its_recipe(tmp_path):
+  base, models = fixture(str(tmp_path))
+  text = (f'merge_method: slerp\nbase_model: {base}\nparameters: {{t: 0.25}}\n'
+          f'models: [{{model: {base}}}, {{model: {models[2]}}}]\n')
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  with open(os.path.join(config.output, 'README.md')) as f:
+    card = f.read()
+  assert '- method: `slerp`' in card and '"t": 0.25' in card and models[2] in card
+  assert text.rstrip() in card

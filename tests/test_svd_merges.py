@@ -152,16 +152,18 @@ def test_magmax_keeps_the_largest_magnitude_per_entry_ties_to_the_later_task():
                                 expected)
 
 
+@pytest.mark.parametrize('clip', [True, False])
 @pytest.mark.parametrize('degrees', [0, 30, 60, 90, 120])
-def test_model_stock_ratio_follows_the_angle_between_two_vectors(degrees):
-  """Two unit deltas at angle θ: t = 2cosθ/(cosθ + 1) (0 from a right angle on), τ_m = t·mean."""
+def test_model_stock_ratio_follows_the_angle_between_two_vectors(degrees, clip):
+  """Two unit deltas at angle θ: t = 2cosθ/(cosθ + 1), τ_m = t·mean; clipped, 0 from a right
+  angle on; as mergekit, negative past it."""
   angle = np.deg2rad(degrees)
   a = TaskVector({'w': np.array([1.0, 0.0], np.float32)}, ('a',), 'full', 'b')
   b = TaskVector({'w': np.array([np.cos(angle), np.sin(angle)], np.float32)}, ('b',), 'full',
                  'b')
-  cos = max(np.cos(angle), 0.0)
+  cos = max(np.cos(angle), 0.0) if clip else np.cos(angle)
   t = 2 * cos / (cos + 1)
-  np.testing.assert_allclose(merging.get('model_stock').merge([a, b]).delta['w'],
+  np.testing.assert_allclose(merging.get('model_stock').merge([a, b], clip=clip).delta['w'],
                              t * (np.array([1.0, 0.0]) + np.array([np.cos(angle),
                                                                    np.sin(angle)])) / 2,
                              atol=1e-6)

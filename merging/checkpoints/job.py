@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from absl import logging
 
+import merging
 from editing import atomic
 from editing import safetensors_io
 from editing.errors import UserError
@@ -33,18 +34,22 @@ from merging.checkpoints import tensors as tensors_lib
 from merging.jobs import mergekit
 
 RECORD = 'merge_plan.json'
+CARD = 'README.md'  # the model card
 _COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
            'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
-          overwrite: bool = False) -> dict:
-  """Merges `models` onto `base` into the Hugging Face directory `output`; returns a summary."""
+          overwrite: bool = False, recipe: str | None = None) -> dict:
+  """Merges `models` onto `base` into the Hugging Face directory `output`, whose README.md
+  records the merge (and the mergekit `recipe`, its YAML text, if one set it); returns a
+  summary."""
   if not models:
     raise UserError('config.models: no fine-tuned model to merge')
-  if plan.method in plan_lib.SINGLE_MODEL and len(models) != 1:
-    raise UserError(f'config.models: {plan.method} takes exactly one fine-tuned model, got '
-                    f'{len(models)}')
+  count = 1 if plan.method in plan_lib.SINGLE_MODEL else merging.get(plan.method).vectors
+  if count is not None and len(models) != count:
+    raise UserError(f'config.models: {plan.method} takes exactly {count} fine-tuned '
+                    f'model{"s" if count > 1 else ""}, got {len(models)}')
   if plan.weights is not None and len(plan.weights) != len(models):
     raise UserError(f'config.weights: {len(plan.weights)} weights for {len(models)} fine-tuned '
                     'models; give one per model, in order')
@@ -76,6 +81,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
       # Bad input: no rerun under this plan and these inputs could finish the shards.
       shutil.rmtree(partial, ignore_errors=True)
       raise
+    atomic.write_bytes(os.path.join(partial, CARD), _card(base, models, plan, recipe).encode())
     _finish(base, partial, output, shards)
   return {**summary, 'seconds': time.time() - start}
 
@@ -175,6 +181,20 @@ def _write_shards(base_ckpt, ckpts, models, plan, partial, shards, count) -> Non
                    rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
 
 
+def _card(base: str, models: Sequence[str], plan: plan_lib.Plan, recipe: str | None) -> str:
+  """The output's model card: what was merged, and how, in Markdown."""
+  lines = ['# Merged model', '',
+           'Merged with `python -m launch.merge_checkpoints` (editmerge).', '',
+           f'- method: `{plan.method}`', f'- settings: `{json.dumps(plan.settings)}`',
+           f'- scale λ: {plan.scale}', f'- base: `{base}`', '- models:']
+  weights = plan.weights or [None] * len(models)
+  lines += [f'  - `{m}`' + ('' if w is None else f' (weight {w})') for m, w in zip(models, weights)]
+  lines += ['', f'Every setting, the seed and each input\'s fingerprint are in {RECORD}.']
+  if recipe is not None:
+    lines += ['', '## Recipe (mergekit YAML)', '', '```yaml', recipe.rstrip('\n'), '```']
+  return '\n'.join(lines) + '\n'
+
+
 def _shards(base: hf.Checkpoint, names: list[str],
             plan: plan_lib.Plan) -> list[safetensors_io.Shard]:
   """The output's shards: its tensors in sorted order, each floating one in the plan's dtype."""
@@ -214,12 +234,15 @@ def plan_of(config) -> plan_lib.Plan:
 def run(config, workdir: str) -> dict:
   """The launch job: `config` as configs/merge_checkpoints.py describes it (or the mergekit
   YAML `config.mergekit` names); the output defaults to <workdir>/merged."""
+  recipe = None
   if config.mergekit:
     config = mergekit.apply(config, config.mergekit)
+    with open(config.mergekit) as f:
+      recipe = f.read()
   plan = plan_of(config)
   if not config.base:
     raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
                     '.safetensors file)')
   models = [m.strip() for m in config.models.split(',') if m.strip()]
   return merge(config.base, models, config.output or os.path.join(workdir, 'merged'), plan,
-               overwrite=config.overwrite)
+               overwrite=config.overwrite, recipe=recipe)

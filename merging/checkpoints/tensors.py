@@ -164,7 +164,8 @@ def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=
     merged, scale = vectors[0], -plan.scale
   else:
     method = merging.get(plan.method)
-    reads = {'key': key} if 'key' in method.reads else {}
+    reads = {name: value for name, value in (('key', key), ('theta0', theta0))
+             if name in method.reads}
     if plan.weights is not None:
       reads['weights'] = list(plan.weights)
     if keep is not None:

@@ -33,19 +33,20 @@ REPEATS = 5
 SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
 
 
-def fixture_tensors(seed: int, base: dict | None = None) -> dict[str, np.ndarray]:
-  h, rng = SHAPE['hidden'], np.random.default_rng(seed)
-  shapes = {'model.embed_tokens.weight': (SHAPE['vocab'], h), 'model.norm.weight': (h,),
-            'lm_head.weight': (SHAPE['vocab'], h)}
-  for i in range(SHAPE['layers']):
+def fixture_tensors(seed: int, base: dict | None = None,
+                    shape: dict = SHAPE) -> dict[str, np.ndarray]:
+  h, rng = shape['hidden'], np.random.default_rng(seed)
+  shapes = {'model.embed_tokens.weight': (shape['vocab'], h), 'model.norm.weight': (h,),
+            'lm_head.weight': (shape['vocab'], h)}
+  for i in range(shape['layers']):
     layer = f'model.layers.{i}.'
     shapes.update({layer + 'self_attn.q_proj.weight': (h, h),
-                   layer + 'self_attn.k_proj.weight': (SHAPE['kv'], h),
-                   layer + 'self_attn.v_proj.weight': (SHAPE['kv'], h),
+                   layer + 'self_attn.k_proj.weight': (shape['kv'], h),
+                   layer + 'self_attn.v_proj.weight': (shape['kv'], h),
                    layer + 'self_attn.o_proj.weight': (h, h),
-                   layer + 'mlp.gate_proj.weight': (SHAPE['mlp'], h),
-                   layer + 'mlp.up_proj.weight': (SHAPE['mlp'], h),
-                   layer + 'mlp.down_proj.weight': (h, SHAPE['mlp']),
+                   layer + 'mlp.gate_proj.weight': (shape['mlp'], h),
+                   layer + 'mlp.up_proj.weight': (shape['mlp'], h),
+                   layer + 'mlp.down_proj.weight': (h, shape['mlp']),
                    layer + 'input_layernorm.weight': (h,),
                    layer + 'post_attention_layernorm.weight': (h,)})
   out = {}
@@ -55,15 +56,21 @@ def fixture_tensors(seed: int, base: dict | None = None) -> dict[str, np.ndarray
   return out
 
 
-def make_fixture(directory: str) -> tuple[str, list[str]]:
+def make_fixture(directory: str, shape: dict = SHAPE) -> tuple[str, list[str]]:
   base_dir = os.path.join(directory, 'base')
   models = [os.path.join(directory, f'ft{k}') for k in range(3)]
   if not all(os.path.exists(os.path.join(d, hf.SINGLE)) for d in [base_dir] + models):
-    config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
-    base = fixture_tensors(0)
+    # The Llama config mergekit reads the layer count and sizes from (heads of 16 dimensions).
+    config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+              'hidden_size': shape['hidden'], 'num_hidden_layers': shape['layers'],
+              'intermediate_size': shape['mlp'], 'vocab_size': shape['vocab'],
+              'num_attention_heads': shape['hidden'] // 16,
+              'num_key_value_heads': shape['kv'] // 16, 'tie_word_embeddings': False,
+              'torch_dtype': 'float32'}
+    base = fixture_tensors(0, shape=shape)
     hf.save(base_dir, base, config, shard_bytes=2**40)
     for k, path in enumerate(models):
-      hf.save(path, fixture_tensors(k + 1, base), config, shard_bytes=2**40)
+      hf.save(path, fixture_tensors(k + 1, base, shape), config, shard_bytes=2**40)
   return base_dir, models
 
 

@@ -54,6 +54,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if refused:
       raise UserError(f'config.merge.methods: {refused} cannot merge {regime.name} task '
                        'vectors; leave them out for that regime')
+  count = len(experiment.tasks(config))
+  fixed = [m for m in methods if merging.get(m).vectors not in (None, count)]
+  if fixed:
+    raise UserError(f'config.merge.methods: {fixed} merge '
+                    f'{[merging.get(m).vectors for m in fixed]} task vectors, and the experiment '
+                    f'has {count} tasks; leave them out')
   needing_trigger = [m for m in methods if 'trigger' in merging.get(m).reads]
   if needing_trigger:
     raise UserError(f'config.merge.methods: {needing_trigger} read the true backdoor trigger, '

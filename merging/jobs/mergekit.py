@@ -1,44 +1,181 @@
-"""mergekit's YAML configs, the subset people keep, read onto `configs/merge_checkpoints.py`.
+"""mergekit's YAML recipes, read onto `configs/merge_checkpoints.py`.
 
-  models:                       # the fine-tuned models (an entry naming the base is skipped)
+  models:                       # the models (an entry naming the base is the base)
     - model: /models/math
       parameters: {weight: 0.6, density: 0.2}
     - model: /models/code
       parameters: {weight: 0.4, density: 0.2}
-  merge_method: ties            # linear, task_arithmetic, ties, dare_linear, dare_ties
+  merge_method: ties            # any method of METHODS
   base_model: /models/base
-  parameters: {normalize: true, lambda: 1.0}   # global; `weight` and `density` too
+  parameters: {normalize: true, lambda: 1.0}   # global; per-model ones may be given here too
   dtype: bfloat16               # of the output (float32, bfloat16, float16)
 
-maps onto the same merges (mergekit's conventions: `linear` is the normalized weighted task
-arithmetic Σ w_t θ_t / Σ w_t = θ0 + Σ w_t τ_t / Σ w_t; DARE's `density` is its keep
-probability 1 − p, and `dare_ties` elects signs without a magnitude trim). Any other key —
-slices, tokenizer_source, a per-model density that differs between models — is named in the
-error, never ignored.
+maps onto the same merges, each with mergekit's own defaults (its generalized task
+arithmetic: ties normalizes, dare_ties and dare_linear do not and rescale to each tensor's L1
+norm, density 1 keeps everything; `linear` is the normalized weighted task arithmetic
+Σ w_t θ_t / Σ w_t = θ0 + Σ w_t τ_t / Σ w_t). mergekit's `--random-seed` is `config.seed`:
+DARE's and DELLA's draws are keyed by it and each tensor's name, so a run is reproducible.
+
+A parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
+accepted with a warning; any other key (slices, tokenizer_source, a per-layer gradient, a
+per-model density that differs between models) is named in the error, never ignored.
 """
 
+import dataclasses
 import os
+from typing import Any, Callable
 
 import ml_collections
 import yaml
+from absl import logging
 
+import merging
 from editing.errors import UserError
 
-# mergekit's method -> (ours, its settings); `density` is placed per method below.
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """How a mergekit method maps onto one of `merging`.
+
+  Attributes:
+    ours: the method of `merging` it runs.
+    settings: its settings at mergekit's defaults for this method.
+    parameters: the global parameters mergekit reads for it (`lambda` is config.scale).
+    model_parameters: the per-model ones (`weight` is config.weights; the others must be the
+      same for every model).
+    base: 'required' (task vectors against base_model), 'optional' (the task vectors given a
+      base_model, else the models' weights: task_space), 'averaged' (the base is one of the
+      models averaged, as mergekit's Karcher mean takes every model it is given), or 'none'
+      (the models listed are merged, base_model unread: `linear`).
+    required: the parameters mergekit requires.
+  """
+
+  ours: str
+  settings: dict
+  parameters: tuple[str, ...] = ()
+  model_parameters: tuple[str, ...] = ()
+  base: str = 'required'
+  required: tuple[str, ...] = ()
+
+
+def _gta(ours: str, sparsifier: tuple[str, ...], **settings) -> Method:
+  """A sparsifying method of mergekit's generalized task arithmetic (normalize, rescale and
+  lambda global; weight, density and the sparsifier's own per model)."""
+  return Method(ours, settings, ('normalize', 'rescale', 'lambda', 'int8_mask'),
+                ('weight', 'density') + sparsifier)
+
+
+_L1 = {'rescale': 'l1_norm'}
 METHODS = {
-    'linear': ('task_arithmetic', {'normalize': True}),
-    'task_arithmetic': ('task_arithmetic', {}),
-    'ties': ('ties', {'scope': 'tensor'}),
-    'dare_linear': ('dare', {'then': 'task_arithmetic', 'scope': 'tensor'}),
-    'dare_ties': ('dare', {'then': 'ties', 'density': 1.0, 'scope': 'tensor'}),
+    'linear': Method('task_arithmetic', {'normalize': True}, ('normalize',), ('weight',),
+                     base='none'),
+    'task_arithmetic': Method('task_arithmetic', {'normalize': False}, ('normalize', 'lambda'),
+                              ('weight',)),
+    'ties': _gta('ties', (), normalize=True, scope='tensor', density=1.0),
+    'dare_ties': _gta('dare', (), then='ties', density=1.0, scope='tensor', normalize=False,
+                      p=0.0, **_L1),
+    'dare_linear': _gta('dare', (), then='task_arithmetic', normalize=False, p=0.0, **_L1),
+    'breadcrumbs': _gta('breadcrumbs', ('gamma',), elect_sign=False, normalize=False, top=0.0,
+                        bottom=0.0),
+    'breadcrumbs_ties': _gta('breadcrumbs', ('gamma',), elect_sign=True, normalize=False,
+                             top=0.0, bottom=0.0),
+    'della': _gta('della', ('epsilon',), elect_sign=True, normalize=True, density=1.0,
+                  epsilon=0.15, **_L1),
+    'della_linear': _gta('della', ('epsilon',), elect_sign=False, normalize=False,
+                         density=1.0, epsilon=0.15, **_L1),
+    'sce': Method('sce', {'select_topk': 1.0}, ('select_topk', 'int8_mask')),
+    'model_stock': Method('model_stock', {'clip': False}, ('filter_wise',)),
+    'slerp': Method('slerp', {}, ('t',), required=('t',)),
+    'nuslerp': Method('nuslerp', {'flatten': True, 'row_wise': False},
+                      ('nuslerp_flatten', 'nuslerp_row_wise'), ('weight',), base='optional'),
+    'multislerp': Method('multislerp', {}, ('normalize_weights',), ('weight',),
+                         base='optional'),
+    'karcher': Method('karcher', {'max_iter': 10, 'tol': 1e-5, 'task_space': False},
+                      ('max_iter', 'tol'), base='averaged'),
 }
+# Every parameter some method reads: one the recipe's method does not is ignored, with a warning.
+_KNOWN = sorted({p for m in METHODS.values() for p in m.parameters + m.model_parameters})
 _TOP_KEYS = ('models', 'merge_method', 'base_model', 'parameters', 'dtype')
 _MODEL_KEYS = ('model', 'parameters')
-_PARAMETERS = ('weight', 'density', 'normalize', 'lambda')
 
 
 def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.ConfigDict:
   """`config` with the merge of the mergekit YAML at `path` filled in."""
+  doc = _read(path)
+  _check_keys(doc, _TOP_KEYS, path, '')
+  name = doc.get('merge_method')
+  if name not in METHODS:
+    raise UserError(f'{path}: merge_method {name!r} is not supported here; supported: '
+                    f'{sorted(METHODS)}')
+  method = METHODS[name]
+  given = doc.get('parameters') or {}
+  _check_keys(given, _KNOWN, path, 'parameters.')
+  base, models = _models(doc, method, path)
+  missing = [key for key in method.required if key not in given]
+  if missing:
+    raise UserError(f'{path}: {name} requires parameters.{", parameters.".join(missing)}')
+
+  per_model = {key: [] for key in method.model_parameters}
+  for i, entry in models:
+    own = entry.get('parameters') or {}
+    where = f'models[{i}].parameters.'
+    _check_keys(own, _KNOWN, path, where)
+    for key in own:
+      if key not in method.model_parameters:
+        _ignored(path, where + key, name)
+    for key in method.model_parameters:
+      if key in own:
+        per_model[key].append((_number(own[key], path, where + key), where + key))
+      elif key in given:
+        per_model[key].append((_number(given[key], path, 'parameters.' + key), None))
+  for key in given:
+    if key not in method.parameters + method.model_parameters:
+      _ignored(path, 'parameters.' + key, name)
+
+  settings = dict(method.settings)
+  values = {}
+  for key, entries in per_model.items():
+    if key == 'weight' or not entries:
+      continue
+    distinct = sorted({v for v, _ in entries})
+    if len(distinct) > 1 or len(entries) < len(models):
+      raise UserError(f'{path}: the models have different values of {key} '
+                      f'({[v for v, _ in entries]}); one {key} for all models is supported here')
+    values[key] = distinct[0]
+  for key in method.parameters:
+    if key in given and key != 'lambda':
+      values[key] = given[key]
+  for key, value in values.items():
+    _TRANSLATE[key](settings, value, method, path)
+  if method.ours == 'breadcrumbs':
+    settings.update(_band(values.get('density', 1.0), values.get('gamma', 0.01)))
+  if method.base == 'optional':
+    settings['task_space'] = bool(doc.get('base_model'))
+
+  _check_exists(base, path, 'base_model')
+  for i, entry in models:
+    _check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
+  out = ml_collections.ConfigDict(config.to_dict())
+  out.base, out.method = str(base), method.ours
+  out.models = ','.join(str(entry['model']) for _, entry in models)
+  weights = [v for v, _ in per_model.get('weight', [])]
+  if 'weight' in method.model_parameters and weights:
+    if len(weights) < len(models):
+      raise UserError(f'{path}: give every model a weight, or none (parameters.weight for all)')
+    out.weights = ','.join(repr(w) for w in weights)
+  else:
+    out.weights = ''
+  if 'lambda' in given and 'lambda' in method.parameters:
+    out.scale = _number(given['lambda'], path, 'parameters.lambda')
+  else:
+    out.scale = 1.0
+  out.dtype = str(doc.get('dtype') or '')
+  section = out[method.ours].to_dict() if method.ours in out else {}
+  out[method.ours] = ml_collections.ConfigDict({**section, **settings})
+  return out
+
+
+def _read(path: str) -> dict:
   try:
     with open(path) as f:
       doc = yaml.safe_load(f)
@@ -48,61 +185,109 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
     raise UserError(f'{path} is not valid YAML ({e})') from None
   if not isinstance(doc, dict):
     raise UserError(f'{path}: a mergekit config is a mapping with {_TOP_KEYS}')
-  _check_keys(doc, _TOP_KEYS, path, '')
-  method = doc.get('merge_method')
-  if method not in METHODS:
-    raise UserError(f'{path}: merge_method {method!r} is not supported here; supported: '
-                    f'{sorted(METHODS)}')
-  base = doc.get('base_model')
-  if not base:
-    raise UserError(f'{path}: base_model is required (every method here merges task vectors '
-                    'against it)')
-  defaults = doc.get('parameters') or {}
-  _check_keys(defaults, _PARAMETERS, path, 'parameters.')
-  models, weights, densities = [], [], set()
-  for i, entry in enumerate(doc.get('models') or []):
-    _check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
-    if entry.get('model') == base:
-      continue
-    own = entry.get('parameters') or {}
-    where = f'models[{i}].parameters.'
-    _check_keys(own, ('weight', 'density'), path, where)
-    parameters = {**defaults, **own}
-    named = lambda key: (where if key in own else 'parameters.') + key  # where a value is set
-    models.append((i, entry.get('model')))
-    weights.append(_number(parameters.get('weight', 1.0), path, named('weight')))
-    if 'density' in parameters:
-      densities.add(_number(parameters['density'], path, named('density')))
-  if not models:
-    raise UserError(f'{path}: models lists no model other than the base')
-  if len(densities) > 1:
-    raise UserError(f'{path}: models have different densities {sorted(densities)}; one '
-                    'density for all models is supported here')
-  _check_exists(base, path, 'base_model')
-  for i, model in models:
-    _check_exists(model, path, f'models[{i}].model')
-  models = [str(model) for _, model in models]
+  return doc
 
-  out = ml_collections.ConfigDict(config.to_dict())
-  ours, settings = METHODS[method]
-  settings = dict(settings)
-  if densities:
-    density = densities.pop()
-    if ours == 'dare':
-      settings['p'] = 1.0 - density
-    elif ours == 'ties':
-      settings['density'] = density
-    else:
-      raise UserError(f'{path}: {method} takes no density')
-  if 'normalize' in defaults:
-    settings['normalize'] = bool(defaults['normalize'])
-  out.base, out.models, out.method = str(base), ','.join(models), ours
-  out.weights = ','.join(repr(w) for w in weights)
-  out.scale = _number(defaults.get('lambda', 1.0), path, 'parameters.lambda')
-  out.dtype = str(doc.get('dtype') or '')
-  section = out[ours].to_dict() if ours in out else {}
-  out[ours] = ml_collections.ConfigDict({**section, **settings})
-  return out
+
+def _models(doc: dict, method: Method, path: str) -> tuple[str, list[tuple[int, dict]]]:
+  """The base checkpoint and the (index, entry) of each model merged against it (index −1:
+  the base itself, where it is averaged in)."""
+  base = doc.get('base_model')
+  entries = list(enumerate(doc.get('models') or []))
+  for i, entry in entries:
+    _check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
+  if method.base == 'required' and not base:
+    raise UserError(f'{path}: base_model is required for {doc["merge_method"]} (it merges '
+                    'task vectors against it)')
+  if method.base == 'none':
+    base = entries[0][1].get('model') if entries else None  # the task vectors' origin alone
+  elif method.base == 'averaged':
+    listed = [e.get('model') for _, e in entries]
+    if base and base not in listed:
+      entries.insert(0, (-1, {'model': base}))  # mergekit averages the base model in too
+    if entries:
+      base = base or entries[0][1].get('model')
+  elif base:
+    entries = [(i, e) for i, e in entries if e.get('model') != base]
+  elif entries:
+    base = entries[0][1].get('model')  # the weights' interpolation, against the first model
+  if not entries:
+    raise UserError(f'{path}: models lists no model to merge')
+  count = merging.get(method.ours).vectors
+  if count is not None and len(entries) != count:
+    raise UserError(f'{path}: {doc["merge_method"]} merges {count} model'
+                    f'{"s" if count > 1 else ""} besides the base, got {len(entries)}')
+  return base, entries
+
+
+def _density(settings: dict, density: float, method: Method, path: str) -> None:
+  """mergekit's density d (the share kept), in each sparsifier's terms (Breadcrumbs': `_band`)."""
+  if not 0 < density <= 1:
+    raise UserError(f'{path}: density = {density} must be in (0, 1]')
+  if method.ours == 'dare':
+    settings['p'] = 1.0 - density
+  elif method.ours in ('ties', 'della'):
+    settings['density'] = density
+
+
+def _band(density: float, gamma: float) -> dict:
+  """Breadcrumbs' top and bottom of mergekit's density d and gamma γ: drop the top γ and the
+  bottom 1 − d − γ; where d + γ > 1, fewer of the top; d = 1 keeps everything."""
+  if density >= 1:
+    return {'top': 0.0, 'bottom': 0.0}
+  bottom = 1.0 - density - gamma
+  return {'top': gamma, 'bottom': bottom} if bottom >= 0 else {'top': 1 - density, 'bottom': 0.0}
+
+
+def _flag(ours: str) -> Callable:
+  def translate(settings: dict, value: Any, method: Method, path: str) -> None:
+    settings[ours] = _boolean(value, path, ours)
+  return translate
+
+
+def _rescale(settings: dict, value: Any, method: Method, path: str) -> None:
+  """rescale: mergekit's L1-norm rescale of the sparsified deltas, where the method has one."""
+  wanted = _boolean(value, path, 'parameters.rescale')
+  if wanted != ('rescale' in method.settings):
+    raise UserError(f'{path}: parameters.rescale = {value} is not supported here for '
+                    f'{method.ours} (rescale is {"rescale" in method.settings} for it)')
+
+
+def _only(default: Any) -> Callable:
+  """A parameter supported at mergekit's default alone."""
+  def translate(settings: dict, value: Any, method: Method, path: str) -> None:
+    if value != default:
+      raise UserError(f'{path}: {value!r} is not supported here for this parameter of '
+                      f'{method.ours}; only mergekit\'s default {default!r}')
+  return translate
+
+
+def _setting(ours: str, convert: Callable = float) -> Callable:
+  def translate(settings: dict, value: Any, method: Method, path: str) -> None:
+    settings[ours] = convert(_number(value, path, f'parameters.{ours}'))
+  return translate
+
+
+_TRANSLATE = {
+    'density': _density,
+    'gamma': lambda *_: None,  # read with density by `_band`
+    'epsilon': _setting('epsilon'),
+    'normalize': _flag('normalize'),
+    'rescale': _rescale,
+    'int8_mask': lambda *_: None,  # the dtype of mergekit's masks: here they are booleans
+    't': _setting('t'),
+    'select_topk': _setting('select_topk'),
+    'nuslerp_flatten': _flag('flatten'),
+    'nuslerp_row_wise': _flag('row_wise'),
+    'normalize_weights': _only(True),
+    'filter_wise': _only(False),
+    'max_iter': _setting('max_iter', int),
+    'tol': _setting('tol'),
+}
+
+
+def _ignored(path: str, key: str, method: str) -> None:
+  logging.warning('%s: %s is ignored: mergekit accepts it and does not read it for %s', path,
+                  key, method)
 
 
 def _check_exists(model, path: str, key: str) -> None:
@@ -118,6 +303,12 @@ def _number(value, path: str, key: str) -> float:
     raise UserError(f'{path}: {key} = {value!r} must be a number (per-layer values, mergekit\'s '
                     'gradients, are not supported here)')
   return float(value)
+
+
+def _boolean(value, path: str, key: str) -> bool:
+  if not isinstance(value, bool):
+    raise UserError(f'{path}: {key} = {value!r} must be true or false')
+  return value
 
 
 def _check_keys(mapping, known, path: str, prefix: str) -> None:
