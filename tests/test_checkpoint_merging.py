@@ -65,6 +65,10 @@ PLANS = {
                                       'scope': 'tensor'}, seed=3),
     'dare_global': checkpoints.Plan('dare', {'p': 0.5, 'then': 'ties', 'density': 0.3,
                                              'scope': 'global'}, seed=3, shard_bytes=2500),
+    # mergekit's rescale: each tensor's dropped deltas back to its L1 norm, before the ranking.
+    'dare_l1_global': checkpoints.Plan('dare', {'p': 0.5, 'then': 'ties', 'density': 0.3,
+                                                'scope': 'global', 'rescale': 'l1_norm'},
+                                       seed=3, shard_bytes=2500),
     'breadcrumbs': checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.5}),
     'consensus': checkpoints.Plan('consensus', {'min_tasks': 2, 'tall_lambda': 0.5}),
     'magmax': checkpoints.Plan('magmax', {}, scale=0.5),

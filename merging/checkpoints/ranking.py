@@ -36,7 +36,8 @@ def ranked_by(plan: plan_lib.Plan, label: str, key: jax.Array) -> Callable:
   def ranked(name: str, delta) -> np.ndarray:
     if plan.method == 'dare':
       vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
-      delta = dare.drop([vector], plan.settings['p'], key)[0].delta[name]
+      dropped = dare.drop([vector], plan.settings['p'], key, plan.settings['rescale'])
+      delta = dropped[0].delta[name]
     return np.asarray(delta, np.float32)
   return ranked
 
