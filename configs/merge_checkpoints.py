@@ -11,7 +11,7 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
 Methods: every data-free method of merging/ (averaging, task_arithmetic, ties (per tensor),
 dare, breadcrumbs, consensus, magmax, della, sce, slerp, nuslerp, multislerp, karcher, tsv_m,
 iso_c, iso_cts, wudi, model_stock: the same functions the suite's merges call), negation
-(θ0 − λτ) and extract (write τ). The weighted ones take per-model `weights` as mergekit does;
+(θ0 − λτ), extract (write τ) and extract_lora (τ as a PEFT LoRA adapter). The weighted ones take per-model `weights` as mergekit does;
 `mergekit` reads a mergekit YAML config (merging/jobs/mergekit.py) in place of the flags it
 sets. The output's README.md records the merge (and the recipe).
 """
@@ -19,6 +19,8 @@ sets. The output's README.md records the merge (and the recipe).
 import ml_collections
 
 import merging
+from editing import settings
+from merging.checkpoints import extraction
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -37,10 +39,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
+  # Values that vary by tensor, as JSON {field: value}: a field is a setting of the method,
+  # 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value} entries
+  # (merging/checkpoints/layered.py), e.g. '{"t": [0, 0.5, 1]}'.
+  config.layered = ''
+  # Settings given one value per model, as JSON {setting: [values]} in the order of
+  # config.models (mergekit's per-model density), for the methods that take them.
+  config.per_model = ''
   # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
   # each tensor on its own here, as mergekit does.
   for method, entry in merging.REGISTRY.items():
     if entry.data_free:
       config[method] = merging.defaults(method)
+  config.extract_lora = settings.defaults(extraction.options)
   config.ties.scope = config.dare.scope = 'tensor'
   return config

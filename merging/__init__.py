@@ -72,6 +72,8 @@ class Method:
   elementwise: bool = True
   # How many task vectors it merges, where that is fixed (SLERP: one model into the base).
   vectors: int | None = None
+  # The settings it may take one per vector (`per_vector=`: mergekit's per-model density).
+  per_vector: tuple[str, ...] = ()
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -103,8 +105,8 @@ _DAM = dict(_LEARNED, section='dam')
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
     'task_arithmetic': Method(task_arithmetic.merge),
-    'ties': Method(ties.merge, ranked=True, lambda_max=2.0),
-    'dare': Method(dare.merge, reads=('key',), whole_tensor=True),
+    'ties': Method(ties.merge, ranked=True, lambda_max=2.0, per_vector=('density',)),
+    'dare': Method(dare.merge, reads=('key',), whole_tensor=True, per_vector=('p', 'density')),
     'breadcrumbs': Method(breadcrumbs.merge, ranked=True, lambda_max=2.0),
     'consensus': Method(consensus.merge),
     'magmax': Method(magmax.merge),
@@ -121,7 +123,7 @@ REGISTRY: dict[str, Method] = {
     # mergekit's methods: DELLA and SCE sparsify as TIES does, the spherical interpolations
     # take the models' weights (or their task vectors) whole and are applied as they are.
     'della': Method(della.merge, reads=('key',), whole_tensor=True, elementwise=False,
-                    lambda_max=3.0),
+                    lambda_max=3.0, per_vector=('density', 'epsilon')),
     'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0),
     'slerp': Method(slerp.merge, vectors=1, **_SPHERICAL),
     'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL),

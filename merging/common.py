@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from editing import settings as settings_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector
 
@@ -35,6 +36,24 @@ def check_weights(weights: Sequence[float], count: int, method: str) -> None:
   if len(weights) != count or not all(np.isfinite(w) for w in weights) or not any(weights):
     raise UserError(f'{method}: weights {list(weights)} must be {count} finite numbers, one per '
                     'task vector, not all zero')
+
+
+def per_vector(values: Mapping[str, Sequence] | None, settings: Mapping[str, Any], count: int,
+               method: Callable, name: str) -> list[dict[str, Any]]:
+  """Each of `count` task vectors' settings: the merge's `settings`, but those `values` gives
+  one per vector (mergekit's per-model parameters), each vector's checked as `method` declares
+  them (its ranges and constraint)."""
+  values = dict(values or {})
+  unknown = sorted(set(values) - set(settings))
+  if unknown:
+    raise UserError(f'{name}: per_vector {unknown} are not settings given per vector here; '
+                    f'those that may be: {sorted(settings)}')
+  for key, given in values.items():
+    if len(given) != count:
+      raise UserError(f'{name}: per_vector.{key} has {len(given)} values for {count} task '
+                      'vectors')
+  return [settings_lib.check(method, {**settings, **{k: v[i] for k, v in values.items()}},
+                             f'{name}.per_vector[{i}]') for i in range(count)]
 
 
 def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:

@@ -22,13 +22,14 @@ tensor's kept entries to the tensor's L1 norm, ‖τ‖₁/‖m ⊙ τ‖₁ (`r
 YAML recipes get here).
 """
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 
 from editing import settings
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
+from merging import common
 from merging import ops
 from merging import task_arithmetic
 from merging import ties
@@ -36,12 +37,13 @@ from merging import ties
 BASE_MERGES = ('task_arithmetic', 'ties')
 
 
-def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array,
+def drop(task_vectors: Sequence[TaskVector], ps: Sequence[float], key: jax.Array,
          rescale: str = 'probability') -> list[TaskVector]:
-  """τ̃_t for every vector, each keyed by its tasks' names."""
+  """τ̃_t for every vector (vector t dropped with probability ps[t]), each keyed by its
+  tasks' names."""
   return [v.replace(delta=ops.drop_and_rescale(
       v.delta, p, jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks))), rescale))
-          for v in task_vectors]
+          for v, p in zip(task_vectors, ps)]
 
 
 @settings.declare(
@@ -55,14 +57,19 @@ def drop(task_vectors: Sequence[TaskVector], p: float, key: jax.Array,
 def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, rescale: str,
           then: str,
           density: float, scope: str, normalize: bool | None,
-          weights: Sequence[float] | None = None,
+          weights: Sequence[float] | None = None, per_vector: Mapping[str, Sequence] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
   """DARE followed by `then` (TIES reads density and scope), with its `weights` and
-  `normalize` (None: `then`'s default); `keep`, TIES' masks of the dropped vectors ranked
-  beforehand (see `ties.trim`)."""
+  `normalize` (None: `then`'s default); `per_vector` may give each vector its own p (and
+  TIES' density: mergekit's per-model density); `keep`, TIES' masks of the dropped vectors
+  ranked beforehand (see `ties.trim`)."""
   check_compatible(task_vectors, 'dare')
-  dropped = drop(task_vectors, p, key, rescale)
+  own = common.per_vector(per_vector, {'p': p, 'density': density}, len(task_vectors), merge,
+                          'dare')
+  dropped = drop(task_vectors, [s['p'] for s in own], key, rescale)
   options = {'weights': weights, **({} if normalize is None else {'normalize': normalize})}
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped, **options)
-  return ties.merge(dropped, density=density, scope=scope, keep=keep, **options)
+  densities = {'density': [s['density'] for s in own]} if per_vector else None
+  return ties.merge(dropped, density=density, scope=scope, keep=keep, per_vector=densities,
+                    **options)

@@ -19,7 +19,7 @@ fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), whatever the order 
 or leaves.
 """
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +74,19 @@ def magprune(delta: dict, density: float, epsilon: float, rescale: str,
         'density ± epsilon must lie in (0, 1), so that every keep probability does'))
 def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, density: float,
           epsilon: float, rescale: str, elect_sign: bool, normalize: bool,
-          weights: Sequence[float] | None = None) -> TaskVector:
-  """The DELLA merge τ_m of the task vectors (before λ)."""
+          weights: Sequence[float] | None = None,
+          per_vector: Mapping[str, Sequence] | None = None) -> TaskVector:
+  """The DELLA merge τ_m of the task vectors (before λ); `per_vector` may give each vector its
+  own density and epsilon (mergekit's per-model parameters)."""
   check_compatible(task_vectors, 'della')
   if weights is not None:
     common.check_weights(weights, len(task_vectors), 'della')
+  own = common.per_vector(per_vector, {'density': density, 'epsilon': epsilon},
+                          len(task_vectors), merge, 'della')
   pruned = []
-  for v in task_vectors:
+  for v, settings_t in zip(task_vectors, own):
     vector_key = jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks)))
-    flat = magprune(tree_lib.flatten(v.delta), density, epsilon, rescale, vector_key)
+    flat = magprune(tree_lib.flatten(v.delta), settings_t['density'], settings_t['epsilon'],
+                    rescale, vector_key)
     pruned.append(tree_lib.unflatten(flat))
   return common.merged(task_vectors, ops.combine(pruned, weights, elect_sign, normalize))

@@ -17,7 +17,7 @@ election, and the mean divides by the agreeing weights,
 τ_m[j] = Σ_t m_t[j] w_t τ̂_t[j] / Σ_t m_t[j] w_t (unit weights give the mean above).
 """
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from editing import settings
 from editing.task_vector import TaskVector, check_compatible
@@ -25,13 +25,13 @@ from merging import common
 from merging import ops
 
 
-def trim(task_vectors: Sequence[TaskVector], density: float, scope: str,
+def trim(task_vectors: Sequence[TaskVector], densities: Sequence[float], scope: str,
          keep: Sequence[Any] | None = None) -> list:
-  """τ̂_t: each vector's deltas with all but its top-`density` magnitudes zeroed; `keep`, if
-  given, holds those masks already ranked (a streamed merge ranks a whole model in a pass of
-  its own, then merges a tensor at a time)."""
+  """τ̂_t: each vector's deltas with all but its top-`densities[t]` magnitudes zeroed; `keep`,
+  if given, holds those masks already ranked (a streamed merge ranks a whole model in a pass
+  of its own, then merges a tensor at a time)."""
   if keep is None:
-    keep = [ops.keep_largest(v.delta, density, scope) for v in task_vectors]
+    keep = [ops.keep_largest(v.delta, d, scope) for v, d in zip(task_vectors, densities)]
   return [ops.where(k, v.delta) for k, v in zip(keep, task_vectors)]
 
 
@@ -41,11 +41,14 @@ def trim(task_vectors: Sequence[TaskVector], density: float, scope: str,
                           "('global') or each of its tensors ('tensor')"),
     normalize=settings.flag(True, 'divide by the agreeing weights (a mean); else a sum'))
 def merge(task_vectors: Sequence[TaskVector], *, density: float, scope: str, normalize: bool,
-          weights: Sequence[float] | None = None,
+          weights: Sequence[float] | None = None, per_vector: Mapping[str, Sequence] | None = None,
           keep: Sequence[Any] | None = None) -> TaskVector:
-  """The TIES merge τ_m of the task vectors (before λ)."""
+  """The TIES merge τ_m of the task vectors (before λ); `per_vector` may give each vector its
+  own density (mergekit's per-model density)."""
   check_compatible(task_vectors, 'ties')
   if weights is not None:
     common.check_weights(weights, len(task_vectors), 'ties')
-  return common.merged(task_vectors, ops.combine(trim(task_vectors, density, scope, keep),
+  densities = [s['density'] for s in common.per_vector(per_vector, {'density': density},
+                                                       len(task_vectors), merge, 'ties')]
+  return common.merged(task_vectors, ops.combine(trim(task_vectors, densities, scope, keep),
                                                  weights, normalize=normalize))

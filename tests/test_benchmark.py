@@ -65,4 +65,5 @@ def test_an_unknown_benchmark_job_is_named_with_the_known_ones(tmp_path):
                      f'--workdir={tmp_path}'], check=False)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1].endswith(
-      "unknown benchmark job 'regime'; known: ['merge_checkpoints', 'regimes']"), proc.stderr
+      "unknown benchmark job 'regime'; known: ['merge_checkpoints', 'mergekit', 'regimes']"), \
+      proc.stderr

@@ -69,6 +69,12 @@ PLANS = {
     'dare_l1_global': checkpoints.Plan('dare', {'p': 0.5, 'then': 'ties', 'density': 0.3,
                                                 'scope': 'global', 'rescale': 'l1_norm'},
                                        seed=3, shard_bytes=2500),
+    # mergekit's per-model densities (one model keeping everything, its count fixed).
+    'ties_per_model': checkpoints.Plan('ties', {'density': 0.2, 'scope': 'tensor'}, scale=0.9,
+                                       per_model=(('density', (0.1, 0.5, 1.0)),)),
+    'dare_per_model_global': checkpoints.Plan(
+        'dare', {'p': 0.5, 'then': 'ties', 'density': 0.3, 'scope': 'global'}, seed=3,
+        shard_bytes=2500, per_model=(('density', (0.3, 0.6, 0.2)), ('p', (0.2, 0.5, 0.7)))),
     'breadcrumbs': checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.5}),
     'consensus': checkpoints.Plan('consensus', {'min_tasks': 2, 'tall_lambda': 0.5}),
     'magmax': checkpoints.Plan('magmax', {}, scale=0.5),
@@ -144,7 +150,7 @@ def bracketed_small(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
-@pytest.mark.parametrize('name', ['ties', 'breadcrumbs'])
+@pytest.mark.parametrize('name', ['ties', 'ties_per_model', 'breadcrumbs'])
 def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path, monkeypatch,
                                                                         name, dtype):
   """Every tensor of 256 entries or more ranked by a sample's brackets and one pass over its

@@ -11,8 +11,11 @@ import pytest
 from configs import merge_checkpoints as merge_checkpoints_config
 from editing.errors import UserError
 from merging import checkpoints
+from merging.checkpoints import layered
+from merging.jobs import checkpoint_benchmark
 from merging.jobs import mergekit
 from tests import checkpoint_reference as reference
+from tests import references
 from tests.test_checkpoint_merging import bits, fixture
 
 
@@ -96,8 +99,9 @@ dtype: bfloat16
      'slices not supported here'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gama: 0.1}}]',
      r'models\[0\].parameters.gama not supported'),
-    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
-     '{model: c, parameters: {density: 0.4}}]', r'different values of density \(\[0.2, 0.4\]\)'),
+    ('merge_method: breadcrumbs\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
+     '{model: c, parameters: {density: 0.4}}]',
+     r'different values of density \(\[0.2, 0.4\]\); breadcrumbs takes one density'),
     ('merge_method: slerp\nbase_model: b\nmodels: [{model: a}]',
      'slerp requires parameters.t'),
     ('merge_method: slerp\nbase_model: b\nparameters: {t: 0.5}\nmodels: [{model: a}, '
@@ -105,10 +109,10 @@ dtype: bfloat16
     ('merge_method: dare_ties\nbase_model: b\nparameters: {rescale: false}\n'
      'models: [{model: a}]', 'parameters.rescale = False is not supported here for dare'),
     ('merge_method: ties\nmodels: [{model: a}]', 'base_model is required'),
-    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {weight: [0, 1]}}]',
-     r'models\[0\].parameters.weight = \[0, 1\] must be a number'),
-    ('merge_method: ties\nbase_model: b\nparameters: {density: [0.2, 0.5]}\n'
-     'models: [{model: a}]', r': parameters.density = \[0.2, 0.5\] must be a number'),
+    ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {weight: '
+     '[{filter: mlp}]}}]', r'models\[0\].parameters.weight\[0\] = .*a \{filter, value\} entry'),
+    ('merge_method: ties\nbase_model: b\nparameters: {density: [0.2, {a: 1}]}\n'
+     'models: [{model: a}]', r': parameters.density\[0\] = 0.2: a \{filter, value\} entry'),
 ])
 def test_unsupported_mergekit_keys_are_named(tmp_path, text, message):
   config = merge_checkpoints_config.get_config()
@@ -234,3 +238,137 @@ def test_the_output_card_records_the_merge_and_its_recipe(tmp_path):
     card = f.read()
   assert '- method: `slerp`' in card and '"t": 0.25' in card and models[2] in card
   assert text.rstrip() in card
+
+
+def test_a_gradient_interpolates_over_the_layers_and_a_filter_picks_by_name():
+  gradient = [0, 0.5, 0.3, 0.7, 1]
+  # t = 2/3: s = 2.667, between 0.3 and 0.7.
+  assert layered.resolve(gradient, 'x', 2 / 3) == pytest.approx(0.3 + (2 / 3 * 4 - 2) * 0.4)
+  assert layered.resolve(gradient, 'x', 1.0) == 1 and layered.resolve(gradient, 'x', 0) == 0
+  assert layered.resolve([True, False], 'x', 0.9) is True  # flags are picked, not mixed
+  spec = [{'filter': 'self_attn', 'value': gradient}, {'filter': 'mlp', 'value': 0.2},
+          {'value': 0.5}]
+  assert layered.resolve(spec, 'model.layers.3.self_attn.q_proj.weight', 0.25) == 0.5
+  assert layered.resolve(spec, 'model.layers.3.mlp.up_proj.weight', 0.25) == 0.2
+  assert layered.resolve(spec, 'model.norm.weight', 0.0) == 0.5
+  assert layered.resolve(spec[:1], 'model.norm.weight', 0.0) is None
+  names = ['model.embed_tokens.weight', 'model.layers.0.mlp.w', 'model.layers.1.mlp.w',
+           'model.layers.2.mlp.w', 'lm_head.weight']
+  assert layered.positions(names) == dict(zip(names, [0.0, 0.0, 0.5, 1.0, 0.0]))
+
+
+GRADIENT_SLERP = '''
+models:
+  - model: {base}
+  - model: {model}
+merge_method: slerp
+base_model: {base}
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5 # fallback for rest of tensors
+dtype: float32
+'''
+
+
+def test_mergekits_gradient_slerp_example_runs_unchanged(tmp_path):
+  """examples/gradient-slerp.yml (with local models, its `models:` form) on a 4-layer model:
+  each tensor slerped at its own t, checked against numpy."""
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
+                                  GRADIENT_SLERP.format(base=base, model=models[0]))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  out, theta0, theta1 = (reference.read_output(p) for p in (config.output, base, models[0]))
+  attention, mlp = np.array([0, 0.5, 0.3, 0.7, 1]), np.array([1, 0.5, 0.7, 0.3, 0])
+  for n, x0 in theta0.items():
+    layer = int(n.split('.')[2]) if n.startswith('model.layers.') else None
+    position = 0.0 if layer is None else layer / 3
+    if 'self_attn' in n or 'mlp' in n:
+      t = np.interp(position, np.linspace(0, 1, 5), attention if 'self_attn' in n else mlp)
+    else:
+      t = 0.5
+    np.testing.assert_allclose(out[n], references.slerp(t, x0, theta1[n]), rtol=1e-5,
+                               atol=1e-6, err_msg=n)
+
+
+@pytest.mark.parametrize('layered_value, message', [
+    ('{"t": [0, "x"]}', r"config.layered.t = 'x': must be a number in \[0, 1\]"),
+    ('{"t": [{"filter": "mlp"}]}', r'config.layered.t\[0\] = .*a \{filter, value\} entry'),
+    ('{"t": [0, 2]}', r'config.layered.t = 2.* in \[0, 1\]'),
+    ('{"density": [0.1, 0.5]}', 'slerp has no setting'),
+    ('[1, 2]', r'a JSON object \{field: value\}'),
+])
+def test_bad_layered_values_are_named(tmp_path, layered_value, message):
+  base, models = fixture(str(tmp_path))
+  config = merge_checkpoints_config.get_config()
+  config.update(base=base, models=models[0], method='slerp', layered=layered_value,
+                output=str(tmp_path / 'out'))
+  with pytest.raises(UserError, match=message):
+    checkpoints.run(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / 'out')
+
+
+TIES_EXAMPLE = '''
+models:
+  - model: {models[0]}
+    parameters:
+      density: [1, 0.7, 0.1] # density gradient
+      weight: 1.0
+  - model: {models[1]}
+    parameters:
+      density: 0.5
+      weight: [0, 0.3, 0.7, 1] # weight gradient
+  - model: {models[2]}
+    parameters:
+      density: 0.33
+      weight:
+        - filter: mlp
+          value: 0.5
+        - value: 0
+merge_method: ties
+base_model: {base}
+parameters:
+  normalize: true
+  int8_mask: true
+dtype: float32
+'''
+
+
+def test_mergekits_ties_example_runs_unchanged(tmp_path):
+  """examples/ties.yml (local models): per-model densities, a density and a weight gradient
+  and a weight per module, checked against numpy with mergekit's TIES, tensor by tensor."""
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
+                                  TIES_EXAMPLE.format(base=base, models=models))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  out, theta0 = reference.read_output(config.output), reference.read_output(base)
+  thetas = [reference.read_output(m) for m in models]
+  for n, x0 in theta0.items():
+    t = int(n.split('.')[2]) / 3 if n.startswith('model.layers.') else 0.0
+    densities = [np.interp(t, [0, 0.5, 1], [1, 0.7, 0.1]), 0.5, 0.33]
+    weights = [1.0, np.interp(t, np.linspace(0, 1, 4), [0, 0.3, 0.7, 1]),
+               0.5 if 'mlp' in n else 0.0]
+    trimmed = []
+    for theta, density in zip(thetas, densities):
+      delta = (theta[n].astype(np.float64) - x0).ravel()
+      if density < 1:  # mergekit's magnitude: the ⌊d·n⌋ largest, ties to the earlier
+        keep = np.argsort(-np.abs(delta), kind='stable')[:int(density * delta.size)]
+        delta = np.where(np.isin(np.arange(delta.size), keep), delta, 0)
+      trimmed.append(delta)
+    w = np.asarray(weights)[:, None]
+    weighted = w * np.stack(trimmed)
+    sign = np.where(weighted.sum(0) >= 0, 1, -1)
+    agree = (np.sign(weighted) == sign) & (weighted != 0)
+    divisor = (agree * w).sum(0)
+    merged = (weighted * agree).sum(0) / np.where(divisor == 0, 1, divisor)
+    np.testing.assert_allclose(out[n], x0 + merged.reshape(x0.shape), rtol=1e-5, atol=1e-6,
+                               err_msg=n)

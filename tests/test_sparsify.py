@@ -121,8 +121,8 @@ def test_dare_is_unbiased_over_keys():
 
 def test_dare_masks_do_not_depend_on_vector_order():
   vectors = random_vectors()
-  forward = dare.drop(vectors, 0.5, INPUTS['key'])
-  backward = dare.drop(vectors[::-1], 0.5, INPUTS['key'])[::-1]
+  forward = dare.drop(vectors, [0.5] * len(vectors), INPUTS['key'])
+  backward = dare.drop(vectors[::-1], [0.5] * len(vectors), INPUTS['key'])[::-1]
   for a, b in zip(forward, backward):
     for path, value in flat(a.delta).items():
       np.testing.assert_array_equal(value, flat(b.delta)[path], err_msg=path)
@@ -233,9 +233,9 @@ def test_dare_draws_depend_only_on_the_key_the_task_and_the_path():
   assert (masks({'a': x}, jax.random.PRNGKey(6))['a'] != both['a']).any()
   # Whole vectors: keyed by their tasks' names, not by their place in the list.
   vectors = [TaskVector({'w': x}, (t,), 'full', 'b') for t in TASKS]
-  drops = [flat(v.delta)['w'] != 0 for v in dare.drop(vectors, 0.5, key)]
+  drops = [flat(v.delta)['w'] != 0 for v in dare.drop(vectors, [0.5] * len(vectors), key)]
   assert (drops[0] != drops[1]).any()
-  alone = flat(dare.drop(vectors[1:2], 0.5, key)[0].delta)['w'] != 0
+  alone = flat(dare.drop(vectors[1:2], [0.5], key)[0].delta)['w'] != 0
   np.testing.assert_array_equal(alone, drops[1])
 
 

@@ -28,6 +28,7 @@ from editing import safetensors_io
 from editing.errors import UserError
 from editing.jobs import lock
 from editing.models import hf
+from merging.checkpoints import extraction
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import tensors as tensors_lib
@@ -76,13 +77,20 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     _start_or_resume(partial, record)
     start = time.time()
     try:
-      _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names))
+      if plan.method == 'extract_lora':
+        summary['extraction'] = extraction.write(base_ckpt, ckpts[0], partial, plan.settings,
+                                                 base)
+      else:
+        _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names))
     except UserError:
       # Bad input: no rerun under this plan and these inputs could finish the shards.
       shutil.rmtree(partial, ignore_errors=True)
       raise
     atomic.write_bytes(os.path.join(partial, CARD), _card(base, models, plan, recipe).encode())
-    _finish(base, partial, output, shards)
+    if plan.method == 'extract_lora':
+      atomic.replace_directory(partial, output)  # an adapter: no index, no model config
+    else:
+      _finish(base, partial, output, shards)
   return {**summary, 'seconds': time.time() - start}
 
 
@@ -225,10 +233,27 @@ def plan_of(config) -> plan_lib.Plan:
   except ValueError:
     raise UserError(f'config.weights = {config.weights!r}: comma-separated numbers, one per '
                     'model') from None
+  varying, per_model = (_json_object(config, key) for key in ('layered', 'per_model'))
+  if not all(isinstance(v, list) for v in per_model.values()):
+    raise UserError(f'config.per_model = {config.per_model!r}: a JSON object {{setting: '
+                    '[one value per model]}')
   return plan_lib.Plan(config.method, section.to_dict() if section is not None else {},
                        scale=config.scale, seed=config.seed, shard_bytes=config.shard_bytes,
                        allow_nonfinite=config.allow_nonfinite, weights=weights,
-                       dtype=config.dtype or None, prefetch=config.prefetch)
+                       dtype=config.dtype or None, prefetch=config.prefetch,
+                       layered=tuple(sorted(varying.items())),
+                       per_model=tuple((k, tuple(v)) for k, v in sorted(per_model.items())))
+
+
+def _json_object(config, key: str) -> dict:
+  text = config[key]
+  try:
+    value = json.loads(text) if text.strip() else {}
+  except json.JSONDecodeError as e:
+    raise UserError(f'config.{key} = {text!r} is not JSON ({e})') from None
+  if not isinstance(value, dict):
+    raise UserError(f'config.{key} = {text!r}: a JSON object {{field: value}}')
+  return value
 
 
 def run(config, workdir: str) -> dict:

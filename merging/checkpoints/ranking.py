@@ -30,13 +30,14 @@ _CLUSTERS, _CLUSTER = 64, 1024
 
 
 
-def ranked_by(plan: plan_lib.Plan, label: str, key: jax.Array) -> Callable:
+def ranked_by(plan: plan_lib.Plan, model: int, label: str, key: jax.Array) -> Callable:
   """ranked(name, τ): what TIES ranks of one model's tensor, τ itself, or after DARE its
   dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
   def ranked(name: str, delta) -> np.ndarray:
     if plan.method == 'dare':
       vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
-      dropped = dare.drop([vector], plan.settings['p'], key, plan.settings['rescale'])
+      p = plan.model_setting('p', model)
+      dropped = dare.drop([vector], [p], key, plan.settings['rescale'])
       delta = dropped[0].delta[name]
     return np.asarray(delta, np.float32)
   return ranked
@@ -111,9 +112,10 @@ class TensorRanking:
                pool: concurrent.futures.Executor, key: jax.Array, labels: Sequence[str]):
     self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
     # Before anything is written: the counting passes read every tensor.
-    self.rankings = ([GlobalRanking(base, ckpt, sorted(base.files), plan.settings['density'],
-                                    ranked_by(plan, label, key))
-                      for ckpt, label in zip(self.tuned, labels)]
+    self.rankings = ([GlobalRanking(base, ckpt, sorted(base.files),
+                                    plan.model_setting('density', i),
+                                    ranked_by(plan, i, label, key))
+                      for i, (ckpt, label) in enumerate(zip(self.tuned, labels))]
                      if plan.global_ties else None)
 
   def magnitudes(self, name: str, size: int, model: int) -> np.ndarray:
@@ -131,7 +133,8 @@ class TensorRanking:
       np.abs(pipeline.host_delta(theta, theta0, out=out[start:stop]), out=out[start:stop])
     return out
 
-  def cuts(self, name: str, size: int) -> list[tuple[tree_lib.Cut, ...]]:
+  def cuts(self, name: str, size: int,
+           plan: plan_lib.Plan) -> list[tuple[tree_lib.Cut, ...]]:
     """Each model's cuts of its ranked masks of the tensor: TIES keeps the largest (as the
     global ranking says, with scope 'global'); Breadcrumbs the not-smallest but the largest.
     A large tensor is ranked by one pass over its pipeline.blocks; what that pass cannot place (and
@@ -141,29 +144,33 @@ class TensorRanking:
       return list(self.pool.map(
           lambda i: (self.rankings[i].cut(name, self.magnitudes(name, size, i)),),
           range(len(self.tuned))))
-    if self.plan.method == 'ties':
-      counts = (ops.largest_count(self.plan.settings['density']),)
-    else:
-      counts = ops.band_counts(self.plan.settings['top'], self.plan.settings['bottom'])
-    kept = [count(size) for count in counts]
+    kept = []
+    for model in range(len(self.tuned)):
+      if plan.method == 'ties':
+        counts = (ops.largest_count(plan.model_setting('density', model)),)
+      else:
+        counts = ops.band_counts(plan.settings['top'], plan.settings['bottom'])
+      kept.append([count(size) for count in counts])
     # A count that keeps none or all of the entries reads none of them.
-    found = [[tree_lib.fixed_cut(size, k) for k in kept] for _ in self.tuned]
-    ranked = [j for j, cut in enumerate(found[0]) if cut is None]
+    found = [[tree_lib.fixed_cut(size, k) for k in model_kept] for model_kept in kept]
+    ranked = [j for j in range(len(kept[0])) if any(row[j] is None for row in found)]
     if size >= _SAMPLED and ranked:
-      for row, cuts in zip(found, self._bracketed_cuts(name, size, [kept[j] for j in ranked])):
+      counts = [[model_kept[j] for j in ranked] for model_kept in kept]
+      for row, cuts in zip(found, self._bracketed_cuts(name, size, counts)):
         for j, cut in zip(ranked, cuts):
-          row[j] = cut
+          row[j] = row[j] or cut
 
     def fill(model: int) -> tuple[tree_lib.Cut, ...]:
       if None not in found[model]:
         return tuple(found[model])
       magnitudes = self.magnitudes(name, size, model)
-      return tuple(c or tree_lib.largest_cut(magnitudes, k) for c, k in zip(found[model], kept))
+      return tuple(c or tree_lib.largest_cut(magnitudes, k)
+                   for c, k in zip(found[model], kept[model]))
 
     return list(self.pool.map(fill, range(len(self.tuned))))
 
-  def _bracketed_cuts(self, name: str, size: int, kept: Sequence[int]) -> list[list]:
-    """Each model's cut of each kept count, from one pass over the tensor's pipeline.blocks (None where
+  def _bracketed_cuts(self, name: str, size: int, kept: Sequence[Sequence[int]]) -> list[list]:
+    """Each model's cut of each of its kept counts (kept[model]), from one pass over the tensor's pipeline.blocks (None where
     it cannot tell): a sample (clusters of contiguous entries, a positioned read each)
     brackets each kept-th largest |τ|, one jitted program per block says which entries lie
     above, inside and below the brackets, and the selection runs among those inside
@@ -177,14 +184,14 @@ class TensorRanking:
       base, *thetas = pipeline.read_block(ckpts, name, c * step, c * step + _CLUSTER, _CLUSTER, dtype)
       for i, theta in enumerate(thetas):
         np.abs(pipeline.host_delta(theta, base), out=samples[i, c])
-    bounds = np.array([[tree_lib.bracket(sample, size, k) for k in kept] for sample in samples],
-                      np.float32)
+    bounds = np.array([[tree_lib.bracket(sample, size, k) for k in model_kept]
+                       for sample, model_kept in zip(samples, kept)], np.float32)
     spans = pipeline.blocks(size)
     halves = [spans[:len(spans) // 2], spans[len(spans) // 2:]]
     # The two halves of the pass in threads of their own, then joined in order.
     first, second = self.pool.map(lambda half: self._bracket_pass(name, half, bounds), halves)
-    return [[a.join(b).cut(k) for a, b, k in zip(ones, others, kept)]
-            for ones, others in zip(first, second)]
+    return [[a.join(b).cut(k) for a, b, k in zip(ones, others, model_kept)]
+            for ones, others, model_kept in zip(first, second, kept)]
 
   def _bracket_pass(self, name: str, spans: Sequence[tuple[int, int]],
                     bounds: np.ndarray) -> list[list[tree_lib.Bracketed]]:

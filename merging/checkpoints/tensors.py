@@ -16,6 +16,7 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
+from merging.checkpoints import layered
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import ranking
@@ -37,22 +38,24 @@ class TensorMerge:
     self.key = jax.random.PRNGKey(plan.seed)
     self.mesh = sharding.make_mesh()
     self.ranking = ranking.TensorRanking(base, tuned, plan, pool, self.key, self.labels)
+    self.positions = layered.positions(list(base.files)) if plan.layered else {}
 
   def prepare(self, name: str) -> dict:
     """What `block` needs of the tensor `name` (whose inputs' shapes and dtypes the job
     checked before it wrote anything)."""
     shape, dtype = self.base.header(name)
     size = math.prod(shape)
-    state = {'name': name, 'dtype': dtype}
+    plan = self.plan.at(name, self.positions.get(name, 0.0))
+    state = {'name': name, 'dtype': dtype, 'plan': plan}
     if not jnp.issubdtype(dtype, jnp.floating):
       state['copy'] = True  # integer buffers (position ids, masks) are not weights
-    elif self.plan.whole_tensor:
-      state['merged'] = self._merge_whole(name, shape)
-    elif self.plan.ranked:
-      state['cuts'] = self.ranking.cuts(name, size)
+    elif plan.whole_tensor:
+      state['merged'] = self._merge_whole(name, shape, plan)
+    elif plan.ranked:
+      state['cuts'] = self.ranking.cuts(name, size, plan)
     return state
 
-  def _merge_whole(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
     """A tensor merged whole, op by op under its own name (DARE), flat, as written."""
     base = self.base.tensor(name)
     thetas = [c.tensor(name) for c in self.tuned]
@@ -60,7 +63,7 @@ class TensorMerge:
                   [tree_lib.first_nonfinite({name: x}) is None for x in [base] + thetas])
     # A method that reads the tensor as a whole (an SVD, a cosine) runs on one device: split,
     # its reductions would be collectives across the devices for one tensor's sake.
-    placed = _split(self.mesh, shape) if self.plan.elementwise else jax.devices()[0]
+    placed = _split(self.mesh, shape) if plan.elementwise else jax.devices()[0]
     theta0 = {name: jax.device_put(base, placed)}
     vectors = task_vectors(theta0, [{name: jax.device_put(t, placed)} for t in thetas],
                             self.labels)
@@ -71,8 +74,8 @@ class TensorMerge:
         ranked = np.abs(model_ranking.ranked(name, vector.delta[name])).ravel()
         keep.append({name: tree_lib.cut_mask(ranked, model_ranking.cut(name, ranked))
                      .reshape(shape)})
-    edited = edit(self.plan, theta0, vectors, self.key, keep)[name]
-    return self._checked(name, np.asarray(edited).astype(self.plan.output_dtype(base.dtype),
+    edited = edit(plan, theta0, vectors, self.key, keep)[name]
+    return self._checked(name, np.asarray(edited).astype(plan.output_dtype(base.dtype),
                                                           copy=False).ravel())
 
   def block(self, state: dict, start: int, stop: int) -> np.ndarray:
@@ -93,7 +96,7 @@ class TensorMerge:
     # it, after which this thread may read into them again.
     inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
               else buffers)
-    edited = np.asarray(_edit_block(self.plan, inputs[0], inputs[1:], cuts))
+    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], cuts))
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
@@ -168,6 +171,8 @@ def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=
              if name in method.reads}
     if plan.weights is not None:
       reads['weights'] = list(plan.weights)
+    if plan.per_model:
+      reads['per_vector'] = {k: list(v) for k, v in plan.per_model}
     if keep is not None:
       reads['keep'] = keep
     merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale

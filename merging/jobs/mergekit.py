@@ -16,12 +16,19 @@ norm, density 1 keeps everything; `linear` is the normalized weighted task arith
 Σ w_t θ_t / Σ w_t = θ0 + Σ w_t τ_t / Σ w_t). mergekit's `--random-seed` is `config.seed`:
 DARE's and DELLA's draws are keyed by it and each tensor's name, so a run is reproducible.
 
-A parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
-accepted with a warning; any other key (slices, tokenizer_source, a per-layer gradient, a
-per-model density that differs between models) is named in the error, never ignored.
+Every parameter may vary by tensor as mergekit's do (`merging.checkpoints.layered`): a
+gradient over the layers, `t: [0, 0.5, 1]`, or {filter, value} entries per module,
+`t: [{filter: self_attn, value: [0, 1]}, {value: 0.5}]`; they become `config.layered`.
+
+Models may give a parameter different values (`config.per_model`) where the method takes it
+per vector (TIES' and DELLA's density, DARE's); a model that gives none takes mergekit's
+default. A parameter that mergekit knows but ignores for the method (`density` on
+task_arithmetic) is accepted with a warning; any other key (slices, tokenizer_source) is named
+in the error, never ignored.
 """
 
 import dataclasses
+import json
 import os
 from typing import Any, Callable
 
@@ -31,6 +38,7 @@ from absl import logging
 
 import merging
 from editing.errors import UserError
+from merging.checkpoints import layered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,30 +133,40 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
         _ignored(path, where + key, name)
     for key in method.model_parameters:
       if key in own:
-        per_model[key].append((_number(own[key], path, where + key), where + key))
+        per_model[key].append(_value(own[key], path, where + key))
       elif key in given:
-        per_model[key].append((_number(given[key], path, 'parameters.' + key), None))
+        per_model[key].append(_value(given[key], path, 'parameters.' + key))
+      else:
+        per_model[key].append(None)  # mergekit's default
   for key in given:
     if key not in method.parameters + method.model_parameters:
       _ignored(path, 'parameters.' + key, name)
 
-  settings = dict(method.settings)
-  values = {}
-  for key, entries in per_model.items():
-    if key == 'weight' or not entries:
+  values, differing = {}, {}
+  for key, specs in per_model.items():
+    if key == 'weight' or all(v is None for v in specs):
       continue
-    distinct = sorted({v for v, _ in entries})
-    if len(distinct) > 1 or len(entries) < len(models):
-      raise UserError(f'{path}: the models have different values of {key} '
-                      f'({[v for v, _ in entries]}); one {key} for all models is supported here')
-    values[key] = distinct[0]
+    if len({json.dumps(v) for v in specs}) == 1:
+      values[key] = specs[0]
+    else:
+      differing[key] = specs
   for key in method.parameters:
     if key in given and key != 'lambda':
-      values[key] = given[key]
-  for key, value in values.items():
-    _TRANSLATE[key](settings, value, method, path)
+      values[key] = _value(given[key], path, 'parameters.' + key)
+  settings, varying = dict(method.settings), {}
+  for key, spec in values.items():
+    if method.ours == 'breadcrumbs' and key in ('density', 'gamma'):
+      continue
+    _place(key, spec, method, path, settings, varying)
+  per_model_settings = {}
+  for key, specs in differing.items():
+    _place_per_model(key, specs, method, path, settings, varying, per_model_settings)
   if method.ours == 'breadcrumbs':
-    settings.update(_band(values.get('density', 1.0), values.get('gamma', 0.01)))
+    band = [values.get('density', 1.0), values.get('gamma', 0.01)]
+    if not all(isinstance(v, (int, float)) for v in band):
+      raise UserError(f'{path}: breadcrumbs takes one density and one gamma here (per-layer '
+                      'values of either are not supported)')
+    settings.update(_band(*(_number(v, path, k) for v, k in zip(band, ('density', 'gamma')))))
   if method.base == 'optional':
     settings['task_space'] = bool(doc.get('base_model'))
 
@@ -158,17 +176,24 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   out = ml_collections.ConfigDict(config.to_dict())
   out.base, out.method = str(base), method.ours
   out.models = ','.join(str(entry['model']) for _, entry in models)
-  weights = [v for v, _ in per_model.get('weight', [])]
-  if 'weight' in method.model_parameters and weights:
-    if len(weights) < len(models):
+  weights = per_model.get('weight', [])
+  if 'weight' in method.model_parameters and any(w is not None for w in weights):
+    if None in weights:
       raise UserError(f'{path}: give every model a weight, or none (parameters.weight for all)')
-    out.weights = ','.join(repr(w) for w in weights)
+    out.weights = ','.join(repr(w if isinstance(w, (int, float)) else 1.0) for w in weights)
+    varying.update({f'weights.{i}': w for i, w in enumerate(weights)
+                    if not isinstance(w, (int, float))})
   else:
     out.weights = ''
+  out.scale = 1.0
   if 'lambda' in given and 'lambda' in method.parameters:
-    out.scale = _number(given['lambda'], path, 'parameters.lambda')
-  else:
-    out.scale = 1.0
+    scale = _value(given['lambda'], path, 'parameters.lambda')
+    if isinstance(scale, (int, float)):
+      out.scale = _number(scale, path, 'parameters.lambda')
+    else:
+      varying['scale'] = scale
+  out.layered = json.dumps(varying) if varying else ''
+  out.per_model = json.dumps(per_model_settings) if per_model_settings else ''
   out.dtype = str(doc.get('dtype') or '')
   section = out[method.ours].to_dict() if method.ours in out else {}
   out[method.ours] = ml_collections.ConfigDict({**section, **settings})
@@ -217,6 +242,61 @@ def _models(doc: dict, method: Method, path: str) -> tuple[str, list[tuple[int, 
     raise UserError(f'{path}: {doc["merge_method"]} merges {count} model'
                     f'{"s" if count > 1 else ""} besides the base, got {len(entries)}')
   return base, entries
+
+
+def _value(raw: Any, path: str, key: str) -> Any:
+  """A parameter's value: a number or flag, or per layer and module (`layered`), checked."""
+  layered.check(raw, f'{path}: {key}')
+  return raw
+
+
+def _place(key: str, spec: Any, method: Method, path: str, settings: dict,
+           varying: dict) -> None:
+  """Parameter `key`'s value in `settings`, or, where it varies by tensor, in `varying` as
+  the setting it translates to, translated value by value."""
+  if layered.is_scalar(spec):
+    _TRANSLATE[key](settings, spec, method, path)
+    return
+  translated = {}
+
+  def one(value):
+    placed = {}
+    _TRANSLATE[key](placed, value, method, path)
+    if len(placed) != 1:
+      raise UserError(f'{path}: {key} cannot vary by layer or module here')
+    (setting, result), = placed.items()
+    translated.setdefault('setting', setting)
+    return result
+
+  varying_spec = layered.map_values(spec, one)
+  varying[translated['setting']] = varying_spec
+
+
+def _place_per_model(key: str, specs: list, method: Method, path: str, settings: dict,
+                     varying: dict, per_model: dict) -> None:
+  """Parameter `key`, different between the models, as the setting it translates to given
+  per model (its layered values as '<setting>.<i>'); a model that does not give it takes
+  mergekit's default."""
+  setting = None
+  values = []
+  for i, spec in enumerate(specs):
+    placed, layered_value = {}, {}
+    if spec is not None:
+      _place(key, spec, method, path, placed, layered_value)
+    if len(placed) + len(layered_value) > 1:
+      raise UserError(f'{path}: {key} cannot differ between models here')
+    (name, value), = (placed or layered_value or {None: None}).items()
+    if name is not None:
+      setting = setting or name
+    values.append((value, bool(layered_value)))
+  if setting is None or setting not in merging.get(method.ours).per_vector:
+    raise UserError(f'{path}: the models have different values of {key} ({specs}); '
+                    f'{method.ours} takes one {key} for all models')
+  per_model[setting] = [settings[setting] if v is None or is_layered else v
+                        for v, is_layered in values]
+  for i, (value, is_layered) in enumerate(values):
+    if is_layered:
+      varying[f'{setting}.{i}'] = value
 
 
 def _density(settings: dict, density: float, method: Method, path: str) -> None:
@@ -298,10 +378,8 @@ def _check_exists(model, path: str, key: str) -> None:
 
 
 def _number(value, path: str, key: str) -> float:
-  """A parameter's one value; mergekit's per-layer lists (gradients) are not merged here."""
   if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise UserError(f'{path}: {key} = {value!r} must be a number (per-layer values, mergekit\'s '
-                    'gradients, are not supported here)')
+    raise UserError(f'{path}: {key} = {value!r} must be a number')
   return float(value)
 
 

@@ -1,0 +1,70 @@
+"""Low-rank factors of a task vector's matrices, and PEFT's names for them.
+
+A (outputs, inputs) delta ΔW = U Σ Vᵀ is cut to its r largest singular values,
+
+  ΔW ≈ B A,   B = U_r Σ_r^½ (outputs × r),   A = Σ_r^½ V_rᵀ (r × inputs),
+
+(`distribute_scale`; else B = U_r, A = Σ_r V_rᵀ), as mergekit-extract-lora factors. r is at
+most `rank`, and fewer where `sv_epsilon` > 0 drops the singular values at or below it
+(absolute, as mergekit's) or where `energy` < 1 keeps only the fewest that hold that share of
+‖ΔW‖²_F = Σ σ_i². The share actually kept is reported with the factors.
+
+PEFT stores a LoRA module's factors as `base_model.model.<module>.lora_A.weight` (r × inputs)
+and `...lora_B.weight` (outputs × r), and a module saved whole (`modules_to_save`) as
+`base_model.model.<module>.weight`; with lora_alpha = r its scale α/r is 1.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from editing import settings
+from editing.errors import UserError
+
+PREFIX = 'base_model.model.'
+
+
+class Factors(NamedTuple):
+  a: np.ndarray  # (r, inputs)
+  b: np.ndarray  # (outputs, r)
+  energy: float  # the share of ‖ΔW‖²_F that B A keeps
+
+
+@settings.declare(
+    rank=settings.integer(16, '[1, inf)', 'the most singular values kept per matrix, r'),
+    sv_epsilon=settings.number(0.0, '[0, inf)', 'singular values at or below it are dropped '
+                               '(0: none)'),
+    energy=settings.number(1.0, '(0, 1]', 'the share of each matrix\'s squared Frobenius norm '
+                           'kept, with the fewest singular values (1: up to rank)'),
+    distribute_scale=settings.flag(True, 'split Σ between A and B as Σ^½ each; else into A'))
+def factor(delta: np.ndarray, *, rank: int, sv_epsilon: float, energy: float,
+           distribute_scale: bool, name: str = 'a matrix') -> Factors:
+  """The truncated factors of one (outputs, inputs) delta, in float32."""
+  if delta.ndim != 2:
+    raise UserError(f'{name}: a LoRA factors a matrix; it is {delta.ndim}-D {delta.shape}')
+  if rank > min(delta.shape):
+    raise UserError(f'{name}: rank {rank} exceeds the matrix {delta.shape}; give a rank of at '
+                    f'most {min(delta.shape)}')
+  u, s, vt = np.linalg.svd(np.asarray(delta, np.float32), full_matrices=False)
+  r = rank
+  if sv_epsilon > 0:
+    r = min(r, int(np.count_nonzero(s > sv_epsilon)))
+  total = float(np.sum(np.square(s, dtype=np.float64)))
+  if energy < 1 and total > 0:
+    held = np.cumsum(np.square(s, dtype=np.float64)) / total
+    r = min(r, int(np.searchsorted(held, energy)) + 1)
+  r = max(r, 1)  # PEFT takes no rank-0 module
+  root = np.sqrt(s[:r])
+  a_scale, b_scale = (root, root) if distribute_scale else (s[:r], np.ones(r, np.float32))
+  kept = float(np.sum(np.square(s[:r], dtype=np.float64)) / total) if total > 0 else 1.0
+  return Factors(a_scale[:, None] * vt[:r], u[:, :r] * b_scale[None, :], kept)
+
+
+def lora_keys(module: str) -> tuple[str, str]:
+  """PEFT's saved names of a module's A and B."""
+  return f'{PREFIX}{module}.lora_A.weight', f'{PREFIX}{module}.lora_B.weight'
+
+
+def saved_key(module: str, parameter: str = 'weight') -> str:
+  """PEFT's saved name of a parameter of a module saved whole (`modules_to_save`)."""
+  return f'{PREFIX}{module}.{parameter}'

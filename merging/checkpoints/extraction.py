@@ -1,0 +1,100 @@
+"""A fine-tuned checkpoint's task vector written as a PEFT LoRA adapter (`extract_lora`), as
+mergekit-extract-lora writes one.
+
+Each module with a 2-D weight (a linear layer, as PyTorch stores it: outputs × inputs) gets
+the truncated factors of its τ (`editing.lora.factor`); the modules LoRA cannot factor
+(embeddings and the head, whose rows are tokens; norms and other vectors) are saved whole
+in `modules_to_save`, with the fine-tuned weights, or left out (`whole='skip'`). A linear
+layer's changed bias has no place in a LoRA adapter (PEFT's lora_bias is not written) and is
+refused. adapter_config.json sets lora_alpha = r, so PEFT's scale α/r is 1, with a
+rank_pattern and alpha_pattern for the modules of fewer singular values. Every tensor is read
+once, a tensor at a time; the factors, small, are written when all are known.
+"""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from editing import atomic
+from editing import lora
+from editing import safetensors_io
+from editing import settings
+from editing.errors import UserError
+from editing.models import hf
+
+ADAPTER = 'adapter_model.safetensors'
+CONFIG = 'adapter_config.json'
+REPORT = 'extraction.json'
+_TABLES = ('embed', 'wte', 'wpe', 'lm_head', 'shared')  # token or position tables, the head
+
+
+@settings.declare(
+    whole=settings.choice('save', ('save', 'skip'), 'the modules LoRA cannot factor: saved '
+                          'whole in modules_to_save, or left out'),
+    **lora.factor.settings)
+def options(**chosen) -> dict:
+  """The extraction's settings (`factor`'s and `whole`), checked."""
+  return chosen
+
+
+def _modules(base: hf.Checkpoint) -> dict[str, dict[str, str]]:
+  """{module: {parameter: tensor name}} of the floating tensors."""
+  modules = {}
+  for name in sorted(base.files):
+    if jnp.issubdtype(base.header(name)[1], jnp.floating):
+      module, _, parameter = name.rpartition('.')
+      modules.setdefault(module, {})[parameter] = name
+  return modules
+
+
+def _factored(module: str, parameters: dict, base: hf.Checkpoint) -> bool:
+  weight = parameters.get('weight')
+  return (weight is not None and len(base.header(weight)[0]) == 2 and
+          not any(table in module for table in _TABLES))
+
+
+def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dict,
+          base_path: str) -> dict:
+  """Writes the adapter of `tuned` over `base` into `directory`; returns what each module
+  kept."""
+  factor_settings = {k: v for k, v in chosen.items() if k != 'whole'}
+  tensors, ranks, energies, saved = {}, {}, {}, []
+  for module, parameters in _modules(base).items():
+    if not _factored(module, parameters, base):
+      if chosen['whole'] == 'save':
+        saved.append(module)
+        for parameter, name in parameters.items():
+          tensors[lora.saved_key(module, parameter)] = tuned.tensor(name)
+      continue
+    for parameter, name in parameters.items():
+      if parameter != 'weight' and not np.array_equal(base.tensor(name), tuned.tensor(name)):
+        raise UserError(f'{tuned.path}: {name} differs from the base, and a LoRA adapter has '
+                        f'no place for a changed {parameter} (PEFT\'s lora_bias is not written)')
+    name = parameters['weight']
+    delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
+    factors = lora.factor(delta, name=name, **factor_settings)
+    key_a, key_b = lora.lora_keys(module)
+    tensors[key_a], tensors[key_b] = factors.a, factors.b
+    ranks[module], energies[module] = factors.a.shape[0], factors.energy
+  if not ranks:
+    raise UserError(f'{base.path}: no linear layer (2-D weight) to factor')
+  rank = max(ranks.values())
+  smaller = {m: r for m, r in ranks.items() if r != rank}
+  config = {'peft_type': 'LORA', 'base_model_name_or_path': base_path, 'r': rank,
+            'lora_alpha': rank, 'rank_pattern': smaller, 'alpha_pattern': smaller,
+            'target_modules': sorted({m.rpartition('.')[2] for m in ranks}),
+            'modules_to_save': saved or None, 'lora_dropout': 0.0, 'fan_in_fan_out': False,
+            'bias': 'none', 'use_rslora': False, 'use_dora': False, 'inference_mode': True,
+            'task_type': None}
+  safetensors_io.save(os.path.join(directory, ADAPTER), tensors, hf.PT_METADATA)
+  atomic.write_json(os.path.join(directory, CONFIG), config)
+  report = {'rank': rank, 'modules': {m: {'rank': ranks[m], 'energy': energies[m]}
+                                      for m in ranks}, 'modules_to_save': saved}
+  atomic.write_json(os.path.join(directory, REPORT), report)
+  logging.info('LoRA of %d modules, rank ≤ %d, keeping %.4f of τ\'s energy at least (%s)',
+               len(ranks), rank, min(energies.values()), json.dumps(
+                   {m: round(e, 4) for m, e in energies.items()}))
+  return report
