@@ -5,9 +5,11 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from editing import settings as settings_lib
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector
 
@@ -54,6 +56,21 @@ def per_vector(values: Mapping[str, Sequence] | None, settings: Mapping[str, Any
                       'vectors')
   return [settings_lib.check(method, {**settings, **{k: v[i] for k, v in values.items()}},
                              f'{name}.per_vector[{i}]') for i in range(count)]
+
+
+def interpolated(task_vectors: Sequence[TaskVector], theta0: PyTree, task_space: bool,
+                 interpolate: Callable[[list, str], jax.Array]) -> PyTree:
+  """Per leaf, interpolate(points, path) of the task vectors' leaves (`task_space`), or of the
+  models' weights θ0 + τ_t less θ0: an interpolation of weights, as a task vector."""
+  base = tree_lib.flatten(theta0)
+
+  def leaf(path, *deltas):
+    if task_space:
+      return interpolate(list(deltas), path)
+    x = jnp.asarray(base[path], jnp.float32)
+    return interpolate([x + d for d in deltas], path) - x
+
+  return tree_lib.map_with_path(leaf, *[v.delta for v in task_vectors])
 
 
 def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:

@@ -21,7 +21,6 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -65,13 +64,5 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0, max_iter: int, tol: flo
           task_space: bool) -> TaskVector:
   """τ_m of the Karcher mean of the task vectors' models (or of the vectors)."""
   check_compatible(task_vectors, 'karcher')
-  base = tree_lib.flatten(theta0)
-
-  def leaf(path, *deltas):
-    if task_space:
-      return mean(deltas, max_iter, tol)
-    x = jnp.asarray(base[path], jnp.float32)
-    return mean([x + d for d in deltas], max_iter, tol) - x
-
-  return common.merged(task_vectors,
-                       tree_lib.map_with_path(leaf, *[v.delta for v in task_vectors]))
+  return common.merged(task_vectors, common.interpolated(
+      task_vectors, theta0, task_space, lambda points, _: mean(points, max_iter, tol)))

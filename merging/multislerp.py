@@ -20,7 +20,6 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -63,13 +62,5 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0, task_space: bool,
   common.check_weights(weights, len(task_vectors), 'multislerp')
   if abs(sum(weights)) < 1e-12:
     raise UserError(f'multislerp: weights {weights} sum to zero; they are normalised to sum 1')
-  base = tree_lib.flatten(theta0)
-
-  def leaf(path, *deltas):
-    if task_space:
-      return interpolate(deltas, weights, path)
-    x = jnp.asarray(base[path], jnp.float32)
-    return interpolate([x + d for d in deltas], weights, path) - x
-
-  return common.merged(task_vectors,
-                       tree_lib.map_with_path(leaf, *[v.delta for v in task_vectors]))
+  return common.merged(task_vectors, common.interpolated(
+      task_vectors, theta0, task_space, lambda points, path: interpolate(points, weights, path)))

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -64,12 +63,6 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0, flatten: bool, row_wise
   common.check_weights(weights, 2, 'nuslerp')
   t = 0.5 if abs(sum(weights)) < 1e-6 else weights[1] / sum(weights)
   views = ops.matrices(task_vectors[0].delta)
-  base = tree_lib.flatten(theta0)
-  first, second = (tree_lib.flatten(v.delta) for v in task_vectors)
-  merged = {}
-  for path in first:
-    x = jnp.asarray(base[path], jnp.float32)
-    ends = (first[path], second[path]) if task_space else (x + first[path], x + second[path])
-    result = interpolate_leaf(t, *ends, views[path], flatten, row_wise)
-    merged[path] = result if task_space else result - x
-  return common.merged(task_vectors, tree_lib.unflatten(merged))
+  return common.merged(task_vectors, common.interpolated(
+      task_vectors, theta0, task_space,
+      lambda ends, path: interpolate_leaf(t, *ends, views[path], flatten, row_wise)))
