@@ -52,5 +52,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if entry.data_free:
       config[method] = merging.defaults(method)
   config.extract_lora = settings.defaults(extraction.options)
+  # method 'passthrough': a model stacked from layer ranges of others (mergekit's slices),
+  # slices as JSON [[model, first layer, end layer], ...], each tensor times `scale` (JSON:
+  # a number, or per layer and module), the tokenizer's files from `tokenizer` (default: the
+  # first slice's model).
+  config.passthrough = ml_collections.ConfigDict(dict(slices='', scale='1.0', tokenizer=''))
   config.ties.scope = config.dare.scope = 'tensor'
   return config

@@ -96,7 +96,7 @@ dtype: bfloat16
     ('merge_method: arcee_fusion\nbase_model: b\nmodels: [{model: a}]',
      "merge_method 'arcee_fusion' is not supported"),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a}]\nslices: []',
-     'slices not supported here'),
+     'slices are supported here with merge_method passthrough only'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gama: 0.1}}]',
      r'models\[0\].parameters.gama not supported'),
     ('merge_method: breadcrumbs\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
@@ -372,3 +372,65 @@ def test_mergekits_ties_example_runs_unchanged(tmp_path):
     merged = (weighted * agree).sum(0) / np.where(divisor == 0, 1, divisor)
     np.testing.assert_allclose(out[n], x0 + merged.reshape(x0.shape), rtol=1e-5, atol=1e-6,
                                err_msg=n)
+
+
+FRANKENMERGE = '''
+slices:
+  - sources:
+    - model: {a}
+      layer_range: [0, 3]
+  - sources:
+    - model: {b}
+      layer_range: [1, 4]
+merge_method: passthrough
+parameters:
+  scale:
+    - filter: o_proj
+      value: [1, 0]
+    - value: 1
+dtype: float32
+'''
+
+
+def test_a_passthrough_of_slices_stacks_and_renumbers_the_layers(tmp_path):
+  """examples/orcamini-platy-44layer.yml's form on 4-layer models, with a scale per module
+  and layer: layers 0-2 of a then 1-3 of b as layers 0-5, embeddings from a, the final norm
+  and the head from b; the output loads in transformers as a 6-layer Llama."""
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  a, b = models[0], models[1]
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', FRANKENMERGE.format(a=a, b=b))
+  config.output = str(tmp_path / 'out')
+  summary = checkpoints.run(config, str(tmp_path))
+  assert summary['layers'] == 6
+  out, ta, tb = (reference.read_output(p) for p in (config.output, a, b))
+  for layer, (source, j) in enumerate([(ta, 0), (ta, 1), (ta, 2), (tb, 1), (tb, 2), (tb, 3)]):
+    for suffix in ('self_attn.q_proj.weight', 'self_attn.o_proj.weight', 'mlp.up_proj.weight'):
+      scale = 1 - layer / 5 if 'o_proj' in suffix else 1.0  # the gradient [1, 0] over 6 layers
+      np.testing.assert_allclose(out[f'model.layers.{layer}.{suffix}'],
+                                 scale * source[f'model.layers.{j}.{suffix}'], rtol=1e-6,
+                                 err_msg=f'{layer} {suffix}')
+  np.testing.assert_array_equal(out['model.embed_tokens.weight'], ta['model.embed_tokens.weight'])
+  np.testing.assert_array_equal(out['lm_head.weight'], tb['lm_head.weight'])
+  np.testing.assert_array_equal(out['model.norm.weight'], tb['model.norm.weight'])
+  assert len([n for n in out if n.startswith('model.layers.')]) == 6 * 9
+  transformers = pytest.importorskip('transformers')
+  model = transformers.LlamaForCausalLM.from_pretrained(config.output)
+  assert model.config.num_hidden_layers == 6
+
+
+@pytest.mark.parametrize('span, message', [
+    ('[2, 6]', r'slices\[1\]: .* has layers 0 … 3; the layer_range \[2, 6\) is not among them'),
+    ('[0, 1.5]', r'slices\[1\].sources\[0\].layer_range = \[0, 1.5\]'),
+])
+def test_slices_outside_the_models_layers_are_refused(tmp_path, span, message):
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  _, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  text = FRANKENMERGE.format(a=models[0], b=models[1]).replace('[1, 4]', span)
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
+  config.output = str(tmp_path / 'out')
+  with pytest.raises(UserError, match=message):
+    checkpoints.run(config, str(tmp_path))
+  assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')

@@ -14,6 +14,7 @@ from configs import quickstart
 from editing.errors import UserError
 from editing.models import hf
 from merging.jobs import mergekit
+from merging.jobs import mergekit_methods
 from merging.jobs import mergekit_parity
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +35,7 @@ def test_every_recipe_is_a_mergekit_config_the_reader_takes(tmp_path):
     os.makedirs(path)
   for name in mergekit_parity.RECIPES:
     text = mergekit_parity.recipe(name, base, models)
-    assert yaml.safe_load(text)['merge_method'] in mergekit.METHODS
+    assert yaml.safe_load(text)['merge_method'] in mergekit_methods.METHODS
     (tmp_path / 'merge.yaml').write_text(text)
     config = mergekit.apply(merge_checkpoints.get_config(), str(tmp_path / 'merge.yaml'))
     assert config.models, name

@@ -29,6 +29,7 @@ from editing.errors import UserError
 from editing.jobs import lock
 from editing.models import hf
 from merging.checkpoints import extraction
+from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import tensors as tensors_lib
@@ -264,10 +265,30 @@ def run(config, workdir: str) -> dict:
     config = mergekit.apply(config, config.mergekit)
     with open(config.mergekit) as f:
       recipe = f.read()
+  output = config.output or os.path.join(workdir, 'merged')
+  if config.method == 'passthrough':
+    return _passthrough(config, output, recipe)
   plan = plan_of(config)
   if not config.base:
     raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
                     '.safetensors file)')
   models = [m.strip() for m in config.models.split(',') if m.strip()]
-  return merge(config.base, models, config.output or os.path.join(workdir, 'merged'), plan,
-               overwrite=config.overwrite, recipe=recipe)
+  return merge(config.base, models, output, plan, overwrite=config.overwrite, recipe=recipe)
+
+
+def _passthrough(config, output: str, recipe: str | None) -> dict:
+  """config.passthrough's slices stacked into `output` (`passthrough.run`)."""
+  section = config.passthrough
+  try:
+    slices = json.loads(section.slices or '[]')
+    scale = json.loads(section.scale)
+  except json.JSONDecodeError as e:
+    raise UserError(f'config.passthrough: slices and scale are JSON ({e})') from None
+  if not isinstance(slices, list) or not all(
+      isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) for s in slices):
+    raise UserError(f'config.passthrough.slices = {section.slices!r}: a JSON list of '
+                    '[model, first layer, end layer]')
+  return passthrough.run([passthrough.Slice(*s) for s in slices], output, scale=scale,
+                         dtype=config.dtype or None, tokenizer=section.tokenizer or None,
+                         shard_bytes=config.shard_bytes, overwrite=config.overwrite,
+                         recipe=recipe)
