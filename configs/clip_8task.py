@@ -4,6 +4,7 @@ r"""CLIP on the 8-task benchmark from local disk: the same jobs as the built-in 
       --config.weights=/models/clip-vit-base-patch32 --config.data_root=/data/8task \
       --config.data.control=imagenet --workdir=workdir/clip_b32
   python -m launch.finetune --config=configs/clip_8task.py:vit_b32 ... --task=cars
+  python -m launch.quickstart --config=configs/clip_8task.py:vit_b32 ... --config.regimes=lora,l_lora
   python -m launch.merge --config=configs/clip_8task.py:vit_b32 ... --config.merge.methods=ties
   python -m launch.safety --config=configs/clip_8task.py:vit_b32 ... --workdir=workdir/clip_safety
 
@@ -70,6 +71,10 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
                          warmup_steps=500, checkpoint_every=500, log_every=50)
   config.eval.update(batch_size=256, disentanglement_points=5, disentanglement_size=500)
   config.talos.batch_size = 16
+  # --config.regimes=lora,l_lora: L-LoRA's CLIP settings (Tang et al.: r 16, α 32) on the
+  # query and value projections.
+  for name in ('lora', 'l_lora'):
+    config[name].update(rank=16, alpha=32.0)
   # launch.safety (merging/jobs/safety.py): the first n victims (n in poisoned_counts) are
   # fine-tuned poisoned (config.poison) with each trigger, and every method merges them with
   # the clean rest. BadNets' patch is the suite's 4 px at 32 px, scaled to the image size.
@@ -90,6 +95,8 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
     config.eval.update(batch_size=16, alpha_step=0.5, disentanglement_points=2,
                        disentanglement_size=8)
     config.talos.update(batch_size=4, rounds=1)
+    for name in ('lora', 'l_lora'):
+      config[name].update(rank=4, alpha=8.0)
     config.merge.update(train_examples=8)
     config.safety.update(victims='', poisoned_counts='1', triggers='badnets',
                          methods='task_arithmetic,dam')

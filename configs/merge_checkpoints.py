@@ -11,7 +11,14 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
 Methods: every data-free method of merging/ (averaging, task_arithmetic, ties (per tensor),
 dare, breadcrumbs, consensus, magmax, della, sce, slerp, nuslerp, multislerp, karcher, tsv_m,
 iso_c, iso_cts, wudi, model_stock: the same functions the suite's merges call), negation
-(θ0 − λτ), extract (write τ) and extract_lora (τ as a PEFT LoRA adapter). The weighted ones take per-model `weights` as mergekit does;
+(θ0 − λτ), extract (write τ) and extract_lora (τ as a PEFT LoRA adapter). The weighted ones
+take per-model `weights` as mergekit does. A model may be a PEFT LoRA adapter directory (the
+base with it merged in); the LoRA-space methods (knots_ties, knots_dare, peft_cat, peft_svd,
+... peft_magnitude_prune_svd) take adapters only and write the merge as an adapter:
+
+  python -m launch.merge_checkpoints --config.base=/models/base \
+      --config.models=/adapters/a,/adapters/b --config.method=knots_ties --config.output=/a/m
+
 `mergekit` reads a mergekit YAML config (merging/jobs/mergekit.py) in place of the flags it
 sets. The output's README.md records the merge (and the recipe).
 """

@@ -17,6 +17,7 @@ The argument 'tiny' shrinks model, data and steps to a seconds-long run for test
 import ml_collections
 
 from editing.data import suite
+from editing.regimes import lora
 
 
 def training(**overrides) -> ml_collections.ConfigDict:
@@ -70,13 +71,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          from_scratch=False)
 
   # Fine-tuning one task on its frozen head, in every regime listed (comma-separated) of
-  # full, attention_only, linearized, talos (editing/regimes/).
+  # full, attention_only, linearized, talos, lora, l_lora (editing/regimes/).
   config.finetune = training(steps=100, learning_rate=1e-4, weight_decay=0.1, warmup_steps=10)
   config.regimes = 'full'
 
   # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk
   # of per-example gradients scored at once.
   config.talos = ml_collections.ConfigDict(dict(keep=0.1, rounds=4, batch_size=32))
+
+  # LoRA and L-LoRA (editing/regimes/lora.py): the rank r, α of the scale α/r (α/√r with
+  # rslora), and the kernels adapted, a regex over leaf paths (PEFT's default: query, value).
+  for name in ('lora', 'l_lora'):
+    config[name] = ml_collections.ConfigDict(dict(rank=8, alpha=8.0, rslora=False,
+                                                  targets=lora.QUERY_VALUE))
 
   # Backdoor poisoning (editing/data/triggers.py): each task listed (comma-separated; empty:
   # none) is fine-tuned on its training set with a share `rate` of the examples carrying the

@@ -61,6 +61,23 @@ def umask() -> int:
   return mask
 
 
+@contextlib.contextmanager
+def directory(target: str):
+  """A directory to fill, beside `target` until the block ends without an error, then put in
+  its place (`replace_directory`); on an error it is removed and `target` is untouched."""
+  parent = os.path.dirname(os.path.abspath(target))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix='.tmp-' + os.path.basename(target))
+  try:
+    yield tmp
+    # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.
+    os.chmod(tmp, 0o777 & ~umask())
+    replace_directory(tmp, target)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
 def replace_directory(new: str, target: str) -> None:
   """Puts the finished directory `new` at `target` so that `target` is, at every instant,
   either the old directory or the new one, never missing or half-written; the old one is then

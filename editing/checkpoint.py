@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from editing import safetensors_io
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.lora import LowRank
 from editing.task_vector import TaskVector
 
 _META_KEY = 'editmerge'
@@ -52,8 +53,12 @@ def load_tree(path: str, *, allow_nonfinite: bool = False) -> tuple[dict, dict]:
 
 
 def save_task_vector(path: str, vector: TaskVector, extra: dict | None = None) -> None:
+  """A LoRA vector is saved as its factors, `<path>/a`, `/b` and `/scale` per adapted kernel,
+  with the kernels' shapes in the metadata."""
   meta = {'tasks': list(vector.tasks), 'regime': vector.regime, 'base': vector.base,
           **(extra or {})}
+  if vector.low_rank:
+    meta['low_rank'] = {p: list(d.shape) for p, d in vector.delta.items()}
   save_tree(path, vector.delta, meta)
 
 
@@ -63,6 +68,13 @@ def load_task_vector(path: str) -> tuple[TaskVector, dict]:
   missing = {'tasks', 'regime', 'base'} - meta.keys()
   if missing:
     raise UserError(f'{path} is not a task vector file: metadata lacks {sorted(missing)}')
+  if 'low_rank' in meta:
+    flat = tree_lib.flatten(delta)
+    try:
+      delta = {p: LowRank(flat[f'{p}/b'], flat[f'{p}/a'], flat[f'{p}/scale'], tuple(shape))
+               for p, shape in meta['low_rank'].items()}
+    except KeyError as e:
+      raise UserError(f'{path}: the LoRA factor {e.args[0]} is missing') from None
   return TaskVector(delta, tuple(meta['tasks']), meta['regime'], meta['base']), meta
 
 

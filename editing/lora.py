@@ -1,5 +1,14 @@
 """Low-rank factors of a task vector's matrices, and PEFT's names for them.
 
+A LoRA delta of one kernel is kept as its factors (`LowRank`), PEFT's convention,
+
+  ΔW = s · B A,   B (outputs × r),   A (r × inputs),   s = α / r  (rsLoRA: α / √r),
+
+and read on our kernel, laid out (inputs, outputs), as ΔK = s · (B A)ᵀ. flax's DenseGeneral
+keeps attention heads as axes of their own: a query, key or value kernel (in, heads, dim) is the
+matrix (in, heads·dim), the output kernel (heads, dim, out) the matrix (heads·dim, out)
+(`matrix_shape`).
+
 A (outputs, inputs) delta ΔW = U Σ Vᵀ is cut to its r largest singular values,
 
   ΔW ≈ B A,   B = U_r Σ_r^½ (outputs × r),   A = Σ_r^½ V_rᵀ (r × inputs),
@@ -14,14 +23,66 @@ and `...lora_B.weight` (outputs × r), and a module saved whole (`modules_to_sav
 `base_model.model.<module>.weight`; with lora_alpha = r its scale α/r is 1.
 """
 
+import math
+import re
 from typing import NamedTuple
 
+import flax.struct
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from editing import settings
 from editing.errors import UserError
 
 PREFIX = 'base_model.model.'
+_HEADS_IN = re.compile(r'(^|/)attn/out/kernel$')
+
+
+def matrix_shape(path: str, shape: tuple[int, ...]) -> tuple[int, int]:
+  """(inputs, outputs) of the kernel at `path` read as a matrix."""
+  if len(shape) == 2:
+    return shape[0], shape[1]
+  if len(shape) == 3:
+    leading = 2 if _HEADS_IN.search(path) else 1
+    return math.prod(shape[:leading]), math.prod(shape[leading:])
+  raise UserError(f'{path}: LoRA adapts a 2-D kernel or an attention projection; this leaf is '
+                  f'{len(shape)}-D {tuple(shape)}')
+
+
+@flax.struct.dataclass
+class LowRank:
+  """One kernel's delta as LoRA factors, never multiplied out until `dense` is asked for.
+
+  Attributes:
+    b: B, (outputs, r).
+    a: A, (r, inputs).
+    scale: s, a 0-d array: c·ΔW scales it and leaves the factors bit for bit.
+    shape: the kernel's shape.
+  """
+
+  b: jax.Array
+  a: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+  @property
+  def rank(self) -> int:
+    return self.a.shape[0]
+
+  def dense(self) -> jax.Array:
+    """ΔK = s · (B A)ᵀ, in the kernel's shape, float32."""
+    product = jnp.asarray(self.b, jnp.float32) @ jnp.asarray(self.a, jnp.float32)
+    return (self.scale * product.T).reshape(self.shape)
+
+  def scaled(self, c) -> 'LowRank':
+    return self.replace(scale=c * self.scale)
+
+  def __add__(self, other: 'LowRank') -> 'LowRank':
+    """s₁B₁A₁ + s₂B₂A₂ = [s₁B₁ s₂B₂] [A₁; A₂]: exact, of rank r₁ + r₂, with s = 1."""
+    return LowRank(jnp.concatenate([self.scale * self.b, other.scale * other.b], axis=1),
+                   jnp.concatenate([self.a, other.a], axis=0), jnp.ones((), jnp.float32),
+                   self.shape)
 
 
 class Factors(NamedTuple):

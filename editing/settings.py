@@ -75,8 +75,9 @@ class Setting:
 
 
 def number(default: float, interval: str, doc: str) -> Setting:
-  """A real setting within `interval`, e.g. '(0, 1]' or '[0, inf)'."""
-  return Setting(float(default), doc, float, interval=interval)
+  """A real setting within `interval`, e.g. '(0, 1]' or '[0, inf)'; a default of None means
+  something else decides."""
+  return Setting(None if default is None else float(default), doc, float, interval=interval)
 
 
 def integer(default: int, interval: str, doc: str) -> Setting:

@@ -11,6 +11,11 @@ Algebra (Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023):
 
 Vectors of different regimes or bases never combine: a linearized vector only means something on
 the linearized model around its own θ0.
+
+A LoRA vector keeps its factors: its delta is {path: `editing.lora.LowRank`} over the adapted
+kernels alone (every other leaf unchanged). Scaling and negation act on the scale s, a sum
+stacks the factors (ranks add), and θ0 + α·τ multiplies B A out one kernel at a time; nothing
+else is made dense until `materialized` is asked for.
 """
 
 import numbers
@@ -19,9 +24,11 @@ from typing import Any, Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.lora import LowRank
 
 PyTree = Any
 
@@ -31,7 +38,8 @@ class TaskVector:
   """A fine-tuning delta with its provenance.
 
   Attributes:
-    delta: the params-shaped pytree θ_ft − θ0.
+    delta: the params-shaped pytree θ_ft − θ0; for a LoRA vector, {path: LowRank} of the
+      adapted kernels.
     tasks: the names of the tasks this vector encodes (several after a sum).
     regime: the fine-tuning regime, e.g. 'full'.
     base: the `tree.fingerprint` of θ0.
@@ -56,7 +64,41 @@ class TaskVector:
       return NotImplemented
     check_compatible([self, other], 'combine')
     tasks = self.tasks + tuple(t for t in other.tasks if t not in self.tasks)
-    return TaskVector(jax.tree.map(op, self.delta, other.delta), tasks, self.regime, self.base)
+    if self.low_rank:
+      if op is jnp.subtract:
+        other = -other
+      delta = {path: self.delta[path] + other.delta[path] for path in self.delta}
+    else:
+      delta = jax.tree.map(op, self.delta, other.delta)
+    return TaskVector(delta, tasks, self.regime, self.base)
+
+  @property
+  def low_rank(self) -> bool:
+    """Whether the delta is kept as LoRA factors."""
+    return any(isinstance(d, LowRank) for d in _leaves(self.delta))
+
+  def materialized(self, base_params: PyTree) -> 'TaskVector':
+    """The same vector with a dense, params-shaped delta (zero where LoRA adapted nothing)."""
+    if not self.low_rank:
+      return self
+    self.check_fits(base_params, str(self.tasks))
+    delta = tree_lib.map_with_path(
+        lambda path, b: self.delta[path].dense() if path in self.delta
+        else jnp.zeros(jnp.shape(b), jnp.float32), base_params)
+    return TaskVector(delta, self.tasks, self.regime, self.base)
+
+  def check_fits(self, base_params: PyTree, name: str) -> None:
+    """An error naming the first leaf where the delta does not fit the base params' tree."""
+    if not self.low_rank:
+      tree_lib.check_same_structure(base_params, self.delta, 'base params', name)
+      return
+    shapes = {p: np.shape(b) for p, b in tree_lib.flatten(base_params).items()}
+    for path, factors in self.delta.items():
+      if path not in shapes:
+        raise UserError(f'{name}: its LoRA factors adapt {path}, which the base params lack')
+      if tuple(factors.shape) != shapes[path]:
+        raise UserError(f'{name}: its LoRA factors of {path} make a {tuple(factors.shape)} '
+                        f'delta, the base leaf is {shapes[path]}')
 
   def __add__(self, other):
     return self._combine(other, jnp.add)
@@ -71,36 +113,42 @@ class TaskVector:
     return self._combine(other, jnp.subtract)
 
   def __neg__(self):
-    return self.replace(delta=jax.tree.map(jnp.negative, self.delta))
+    return self * -1
 
   def __mul__(self, scale):
     if isinstance(scale, TaskVector):
       return NotImplemented
-    return self.replace(delta=jax.tree.map(lambda d: scale * d, self.delta))
+    return self.replace(delta=jax.tree.map(
+        lambda d: d.scaled(scale) if isinstance(d, LowRank) else scale * d, self.delta,
+        is_leaf=_is_factors))
 
   __rmul__ = __mul__
 
   def apply_to(self, base_params: PyTree, alpha=1.0) -> PyTree:
     """θ0 + α·τ, in the base params' dtypes. With α = 0 the base comes back unchanged."""
-    tree_lib.check_same_structure(base_params, self.delta, 'base params', str(self.tasks))
+    self.check_fits(base_params, str(self.tasks))
+    if self.low_rank:
+      return tree_lib.map_with_path(
+          lambda path, b: (b + alpha * self.delta[path].dense()).astype(b.dtype)
+          if path in self.delta else b, base_params)
     return jax.tree.map(lambda b, d: (b + alpha * d).astype(b.dtype), base_params, self.delta)
 
   def norm(self) -> jax.Array:
-    """The L2 norm ‖τ‖ over all entries."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(self.delta)))
+    """The L2 norm ‖τ‖ over all entries (a LoRA vector's over its adapted kernels)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in _dense_leaves(self.delta)))
 
   def dot(self, other: 'TaskVector') -> jax.Array:
-    tree_lib.check_same_structure(self.delta, other.delta, str(self.tasks), str(other.tasks))
-    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(self.delta),
-                                             jax.tree.leaves(other.delta)))
+    check_compatible([self, other], 'dot')
+    return sum(jnp.vdot(a, b) for a, b in zip(_dense_leaves(self.delta),
+                                             _dense_leaves(other.delta)))
 
   def cosine(self, other: 'TaskVector') -> jax.Array:
     """⟨τ_a, τ_b⟩ / (‖τ_a‖ ‖τ_b‖)."""
     return self.dot(other) / (self.norm() * other.norm())
 
   def sparsity(self) -> jax.Array:
-    """The share of entries that are exactly zero."""
-    leaves = jax.tree.leaves(self.delta)
+    """The share of entries that are exactly zero (a LoRA vector's in its adapted kernels)."""
+    leaves = _dense_leaves(self.delta)
     zeros = sum(jnp.sum(d == 0) for d in leaves)
     return zeros / sum(d.size for d in leaves)
 
@@ -116,5 +164,26 @@ def check_compatible(vectors: Sequence[TaskVector], what: str) -> None:
       raise UserError(f'{what}: task vectors of {first.tasks} ({first.regime}, base '
                        f'{first.base}) and {other.tasks} ({other.regime}, base {other.base}) '
                        f'come from different {reason}')
-    tree_lib.check_same_structure(first.delta, other.delta, f'{what}: {first.tasks}',
-                                  str(other.tasks))
+    if first.low_rank != other.low_rank:
+      raise UserError(f'{what}: {first.tasks} and {other.tasks} mix LoRA factors with a dense '
+                      'delta; materialize the LoRA vector first (TaskVector.materialized)')
+    if first.low_rank:
+      adapted = {p: d.shape for p, d in first.delta.items()}
+      if adapted != {p: d.shape for p, d in other.delta.items()}:
+        raise UserError(f'{what}: the LoRA vectors of {first.tasks} and {other.tasks} adapt '
+                        f'different kernels: {sorted(adapted.keys() ^ other.delta.keys())[:3]}')
+    else:
+      tree_lib.check_same_structure(first.delta, other.delta, f'{what}: {first.tasks}',
+                                    str(other.tasks))
+
+
+def _is_factors(x) -> bool:
+  return isinstance(x, LowRank)
+
+
+def _leaves(delta: PyTree) -> list:
+  return jax.tree.leaves(delta, is_leaf=_is_factors)
+
+
+def _dense_leaves(delta: PyTree) -> list[jax.Array]:
+  return [d.dense() if isinstance(d, LowRank) else d for d in _leaves(delta)]

@@ -7,6 +7,9 @@ merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging
 coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
 settings are declared beside its function (`editing.settings`).
 
+LoRA task vectors are merged by every method as their dense ΔW = s·B A, and as factors by the
+LoRA-space methods (KnOTS, LoRM, PEFT's combinations), whose merges stay LoRA vectors.
+
 Shared primitives (trim, elect sign, disjoint mean, drop and rescale, layers read as matrices,
 the polar factor) live in `merging.ops`; LiNeS (`merging.lines`) rescales any merge by depth.
 """
@@ -18,6 +21,7 @@ from typing import Callable
 
 import ml_collections
 
+from editing import regimes
 from editing import registry
 from editing import settings as settings_lib
 from merging import adamerging
@@ -31,10 +35,13 @@ from merging import fisher
 from merging import iso_c
 from merging import iso_cts
 from merging import karcher
+from merging import knots
+from merging import lorm
 from merging import magmax
 from merging import model_stock
 from merging import multislerp
 from merging import nuslerp
+from merging import peft_combinations
 from merging import regmean
 from merging import sce
 from merging import slerp
@@ -74,6 +81,9 @@ class Method:
   vectors: int | None = None
   # The settings it may take one per vector (`per_vector=`: mergekit's per-model density).
   per_vector: tuple[str, ...] = ()
+  # Whether it merges LoRA vectors as their factors; every other method merges the dense
+  # ΔW = s·B A of LoRA vectors.
+  low_rank: bool = False
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -101,6 +111,7 @@ class Method:
 _SPHERICAL = dict(reads=('theta0',), scaled=False, whole_tensor=True, elementwise=False)
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
 _DAM = dict(_LEARNED, section='dam')
+_LOW_RANK = dict(low_rank=True, whole_tensor=True, elementwise=False)
 
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
@@ -129,9 +140,18 @@ REGISTRY: dict[str, Method] = {
     'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL),
     'multislerp': Method(multislerp.merge, **_SPHERICAL),
     'karcher': Method(karcher.merge, **_SPHERICAL),
+    # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel; PEFT's
+    # add_weighted_adapter combines their factors (merging/peft_combinations.py).
+    'knots_ties': Method(knots.merge_ties, lambda_max=2.0, **_LOW_RANK),
+    'knots_dare': Method(knots.merge_dare, reads=('key',), lambda_max=2.0, **_LOW_RANK),
+    **{f'peft_{c}': Method(peft_combinations.of(c), reads=('key',), section='peft', **_LOW_RANK)
+       for c in peft_combinations.COMBINATIONS},
+    # LoRM fits one adapter to every task's layer inputs, as RegMean fits dense layers.
+    'lorm': Method(lorm.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
+                   refused_regimes=regimes.TANGENT, **_LOW_RANK),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
-                      refused_regimes=('linearized',)),
+                      refused_regimes=regimes.TANGENT),
     'adamerging_task': Method(functools.partial(adamerging.merge, granularity='task'),
                               **_LEARNED),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),
@@ -153,14 +173,22 @@ def get(name: str) -> Method:
   return registry.lookup(REGISTRY, name, 'merging method')
 
 
-def defaults(name: str) -> ml_collections.ConfigDict:
-  """The config section of method `name`: each of its settings at its declared default."""
-  return settings_lib.defaults(get(name).merge)
+def _reading(section: str) -> Method:
+  """The method `section` names, or one whose settings are config.<section> (all that read a
+  shared section declare the same settings)."""
+  if section in REGISTRY:
+    return REGISTRY[section]
+  return next(m for name, m in REGISTRY.items() if (m.section or name) == section)
 
 
-def sweep_axes(name: str) -> ml_collections.ConfigDict:
-  """Method `name`'s section of `config.sweep`: no axis until a tuple is given for one."""
-  return settings_lib.sweep_axes(get(name).merge)
+def defaults(section: str) -> ml_collections.ConfigDict:
+  """A method's config section, or one of SECTIONS: each setting at its declared default."""
+  return settings_lib.defaults(_reading(section).merge)
+
+
+def sweep_axes(section: str) -> ml_collections.ConfigDict:
+  """A section of `config.sweep`: no axis until a tuple is given for one."""
+  return settings_lib.sweep_axes(_reading(section).merge)
 
 
 def check_settings(name: str, given, where: str) -> dict:

@@ -12,7 +12,8 @@ linear layers are every Dense/DenseGeneral the model calls (multi-axis kernels a
 to 2-D); every other leaf (biases, LayerNorms, embeddings) is averaged. As a task vector,
 τ_m = θ_m − θ0, applied at λ = 1.
 
-Linearized task vectors are refused: their model is not a stack of linear layers in θ.
+Linearized (and L-LoRA) task vectors are refused: their model is not a stack of linear layers
+in θ.
 """
 
 import math
@@ -25,6 +26,7 @@ import numpy as np
 
 from editing import batching
 from editing import distributed
+from editing import regimes
 from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -100,9 +102,10 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn
           data: Mapping[str, common.TaskData], alpha: float, batch_size: int) -> TaskVector:
   """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
   check_compatible(task_vectors, 'regmean')
-  if task_vectors[0].regime == 'linearized':
-    raise UserError('regmean merges layer by layer through the model itself; linearized task '
-                     'vectors act through the tangent model, which has no such layers')
+  if task_vectors[0].regime in regimes.TANGENT:
+    raise UserError(f'regmean merges layer by layer through the model itself; '
+                    f'{task_vectors[0].regime} task vectors act through the tangent model, which '
+                    'has no such layers')
   grams = [gram_matrices(apply_fn, v.apply_to(theta0), common.task_of(v, data, 'regmean').images,
                          batch_size) for v in task_vectors]
   return combine(task_vectors, theta0, grams, alpha)

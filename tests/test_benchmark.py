@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 from configs import quickstart
+from editing import regimes
 from editing.jobs import benchmark
 from tests.conftest import run_python
 
@@ -16,7 +17,7 @@ def test_the_benchmark_reports_flops_and_mfu_against_a_given_peak(tmp_path):
   result = benchmark.run(config, str(tmp_path))
   assert result['image_size'] == 48
   full = result['regimes']['full']
-  assert set(result['regimes']) == {'full', 'attention_only', 'linearized', 'talos'}
+  assert set(result['regimes']) == set(regimes.REGISTRY)
   for r in result['regimes'].values():
     assert r['flops_per_step'] > 0 and r['memory_bytes'] > 0
     assert 0 < r['mfu'] < 1
@@ -24,6 +25,8 @@ def test_the_benchmark_reports_flops_and_mfu_against_a_given_peak(tmp_path):
   # step adds a forward-mode pass: more.
   assert result['regimes']['attention_only']['flops_per_step'] < full['flops_per_step']
   assert result['regimes']['linearized']['flops_per_step'] > full['flops_per_step']
+  # LoRA computes no gradient of θ0's weights, only of the small factors.
+  assert result['regimes']['lora']['flops_per_step'] < full['flops_per_step']
 
 
 SHARDED_MATMUL = r'''

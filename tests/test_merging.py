@@ -82,11 +82,15 @@ def run(name, vectors, data=None, **overrides):
   return method.merge(vectors, **kwargs, **{**SETTINGS.get(name, {}), **overrides})
 
 
+# The methods that merge dense deltas; the LoRA-space ones: tests/test_lora_merges.py.
+DENSE = sorted(n for n, m in merging.REGISTRY.items() if not m.low_rank)
+
+
 def flat(tree):
   return {k: np.asarray(v) for k, v in tree_lib.flatten(tree).items()}
 
 
-@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+@pytest.mark.parametrize('name', DENSE)
 def test_merged_vector_keeps_provenance_and_zero_lambda_is_the_base(name):
   vectors = random_vectors()
   merged = run(name, vectors)
@@ -101,7 +105,7 @@ def test_merged_vector_keeps_provenance_and_zero_lambda_is_the_base(name):
 WEIGHT_SPACE = ('slerp', 'karcher')
 
 
-@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+@pytest.mark.parametrize('name', DENSE)
 def test_zero_task_vectors_merge_to_zero(name):
   zeros = [v.replace(delta=jax.tree.map(jnp.zeros_like, v.delta)) for v in random_vectors()]
   for path, value in flat(run(name, zeros).delta).items():
@@ -160,7 +164,7 @@ def assert_dam_rescales_each_entry(name, merged, tau):
     np.testing.assert_allclose(means, means[0], rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+@pytest.mark.parametrize('name', DENSE)
 def test_one_task_vector_in_gives_the_documented_output(name):
   vector = random_vectors(tasks=('t0',))[0]
   tau = flat(vector.delta)
@@ -227,7 +231,7 @@ def test_dam_learns_its_masks_each_with_mean_one_per_leaf(name, masks):
     assert any(np.ptp(v) > 0 for v in flat(mask).values()), f'{mask_name}: learned nothing'
 
 
-@pytest.mark.parametrize('name', sorted(merging.REGISTRY))
+@pytest.mark.parametrize('name', DENSE)
 def test_mismatched_trees_are_refused_naming_the_path(name):
   vectors = random_vectors()
   bad = jax.tree_util.tree_map_with_path(

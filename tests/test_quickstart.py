@@ -349,3 +349,43 @@ def test_a_poisoned_fine_tune_is_refused_where_a_clean_one_was_made(tiny_run):
   poisoned.poison.tasks = 'digits'
   with pytest.raises(ValueError, match='poison'):
     finetune.run(poisoned, workdir, 'digits', experiment.regime(poisoned, 'full'))
+
+
+def test_lora_regimes_fine_tune_evaluate_and_merge_through_the_jobs(tiny_run, tmp_path):
+  config, source, _ = tiny_run
+  workdir = str(tmp_path / 'workdir')
+  shutil.copytree(source, workdir)
+  config = quickstart_config.get_config('tiny')
+  config.regimes = 'lora,l_lora'
+  results = quickstart.run(config, workdir)['regimes']
+  tasks = experiment.tasks(config)
+  theta0 = checkpoint.load_tree(workdir_lib.pretrained_file(workdir))[0]
+  for regime in ('lora', 'l_lora'):
+    for t in tasks:
+      vector, meta = checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, regime, t))
+      assert vector.low_rank and vector.regime == regime
+      assert sorted(meta['low_rank']) == [f'blocks_{i}/attn/{p}/kernel'
+                                          for i in range(config.model.depth)
+                                          for p in ('query', 'value')]
+      assert {d.rank for d in vector.delta.values()} == {config[regime].rank}
+    assert set(results[regime]) >= {'addition', 'negation', 'disentanglement'}
+    assert results[regime]['finetuned'].keys() == set(tasks)
+  lora_config = merge_config.get_config('tiny')
+  lora_config.regimes = 'lora'
+  lora_config.merge.methods = 'task_arithmetic,ties,knots_ties,peft_cat,peft_svd,lorm'
+  methods = merge.run(lora_config, workdir)['lora']['methods']
+  assert set(methods) == set(lora_config.merge.methods.split(','))
+  # The exact sum of the adapters, as factors and as dense deltas, makes the same edit (up to
+  # float rounding, which may flip a prediction at a tie).
+  assert methods['peft_cat']['lambda'] == methods['task_arithmetic']['lambda']
+  assert methods['peft_cat']['mean_test'] == pytest.approx(
+      methods['task_arithmetic']['mean_test'], abs=0.01)
+  restored = ocp.StandardCheckpointer().restore(
+      os.path.join(workdir_lib.merge_dir(workdir, 'lora'), 'knots_ties', 'params'))
+  assert tree_lib.first_mismatch(restored, theta0) is None
+  lora_config.regimes, lora_config.merge.methods = 'l_lora', 'regmean'
+  with pytest.raises(UserError, match=r"\['regmean'\] cannot merge l_lora"):
+    merge.run(lora_config, workdir)
+  lora_config.regimes, lora_config.merge.methods = 'full', 'knots_ties'
+  with pytest.raises(UserError, match=r"\['knots_ties'\] merge LoRA adapters, and the full"):
+    merge.run(lora_config, workdir)

@@ -86,8 +86,9 @@ def test_a_partial_binds_its_settings_out_of_the_config():
 
 def test_configs_take_every_default_from_the_declarations():
   config = merge_config.get_config()
-  for section in merging.SECTIONS:
-    declared = {k: s.default for k, s in merging.get(section).settings.items()}
+  for name, method in merging.REGISTRY.items():
+    section = method.section or name
+    declared = {k: s.default for k, s in method.settings.items()}
     given = dict(config[section].items())
     overridden = {'adamerging_task': {'steps'}, 'adamerging_layer': {'steps'}}.get(section, set())
     assert {k: v for k, v in given.items() if k not in overridden} == \

@@ -51,13 +51,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   prepared, placed, memory, flops = {}, {}, {}, {}
   for name in regimes.REGISTRY:
     regime = experiment.regime(config, name)
-    encoder = regime.encoder(apply_fn)
     update_mask = regime.update_mask(
-        theta0, logits_fn=head_lib.logits_fn(encoder, theta0, head, config.head.logit_scale),
+        theta0, logits_fn=head_lib.logits_fn(regime.encoder(apply_fn), theta0, head,
+                                             config.head.logit_scale),
         images=images, key=key_mask)
+    initial = regime.initial(theta0, key_init)
     p = train.prepare(config.finetune,
-                      loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
-                      params=theta0, trainable=regime.trainable(theta0),
+                      loss_fn=head_lib.frozen_head_loss(regime.training_encoder(apply_fn),
+                                                        config.head.logit_scale),
+                      params=initial, trainable=regime.trainable(initial),
                       consts={'theta0': theta0, 'head': head}, mesh=mesh,
                       sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
     placed[name] = jax.device_put((images, labels), p.batch_sharding)

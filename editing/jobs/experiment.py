@@ -224,7 +224,7 @@ def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],
       raise UserError(f'{path} was fine-tuned from the backbone with fingerprint {vector.base}, '
                       f'but the θ0 in {workdir_lib.pretrained_file(workdir)} has {base}; '
                       'fine-tune again from this θ0')
-    tree_lib.check_same_structure(theta0, vector.delta, 'θ0', path)
+    vector.check_fits(theta0, path)
     vectors.append(vector)
   return vectors
 

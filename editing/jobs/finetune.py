@@ -60,17 +60,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
     logging.info('poisoned %.0f%% of the %s training set with %s, target %d',
                  100 * config.poison.rate, task_name, config.poison.trigger,
                  config.poison.target)
-  encoder = regime.encoder(apply_fn)
   mask_file = os.path.join(directory, workdir_lib.UPDATE_MASK)
-  update_mask = _update_mask(config, mask_file, regime, task, theta0,
-                             head_lib.logits_fn(encoder, theta0, head, config.head.logit_scale))
+  update_mask = _update_mask(
+      config, mask_file, regime, task, theta0,
+      head_lib.logits_fn(regime.encoder(apply_fn), theta0, head, config.head.logit_scale))
+  initial = regime.initial(theta0, jax.random.PRNGKey(config.finetune.seed))
   finetuned = train.train(experiment.finetune_settings(config, task),
-                          loss_fn=head_lib.frozen_head_loss(encoder, config.head.logit_scale),
-                          params=theta0, trainable=regime.trainable(theta0),
+                          loss_fn=head_lib.frozen_head_loss(regime.training_encoder(apply_fn),
+                                                            config.head.logit_scale),
+                          params=initial, trainable=regime.trainable(initial),
                           consts={'theta0': theta0, 'head': head}, data=train_data,
                           workdir=directory, mesh=experiment.mesh(config),
                           sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
-  vector = TaskVector.from_params(theta0, finetuned, task=task_name, regime=regime.name)
+  vector = regime.task_vector(theta0, finetuned, task=task_name)
   extra = {}
   if update_mask is not None:
     extra['update_mask'] = workdir_lib.UPDATE_MASK

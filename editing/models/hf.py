@@ -21,8 +21,6 @@ and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py), '
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from typing import Any, Callable
 
 import jax
@@ -280,23 +278,14 @@ def save(directory: str, tensors: dict[str, np.ndarray], config: dict, *,
   """config.json (and any `extra_configs`, by file name) and the tensors in safetensors shards
   of at most `shard_bytes` (a tensor larger than that gets a shard of its own), with the index
   when there are several; written beside `directory` and put in place of what was there in one
-  step (`atomic.replace_directory`)."""
+  step (`atomic.directory`)."""
   arrays = {name: np.asarray(tensors[name]) for name in sorted(tensors)}
   shards = safetensors_io.plan_shards([(n, x.shape, x.dtype) for n, x in arrays.items()],
                                       shard_bytes)
-  parent = os.path.dirname(os.path.abspath(directory))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix='.tmp-' + os.path.basename(directory))
-  try:
+  with atomic.directory(directory) as tmp:
     for shard in shards:
       safetensors_io.write(os.path.join(tmp, shard.file), shard.entries,
                            lambda name: [arrays[name]], metadata=PT_METADATA)
     safetensors_io.write_index(tmp, shards)
     for name, content in {'config.json': config, **(extra_configs or {})}.items():
       atomic.write_json(os.path.join(tmp, name), content)
-    # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.
-    os.chmod(tmp, 0o777 & ~atomic.umask())
-    atomic.replace_directory(tmp, directory)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise

@@ -20,13 +20,11 @@ from absl import logging
 
 from editing import atomic
 from editing import lora
-from editing import safetensors_io
 from editing import settings
 from editing.errors import UserError
 from editing.models import hf
+from editing.models import peft_adapter
 
-ADAPTER = 'adapter_model.safetensors'
-CONFIG = 'adapter_config.json'
 REPORT = 'extraction.json'
 _TABLES = ('embed', 'wte', 'wpe', 'lm_head', 'shared')  # token or position tables, the head
 
@@ -83,14 +81,11 @@ def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dic
     raise UserError(f'{base.path}: no linear layer (2-D weight) to factor')
   rank = max(ranks.values())
   smaller = {m: r for m, r in ranks.items() if r != rank}
-  config = {'peft_type': 'LORA', 'base_model_name_or_path': base_path, 'r': rank,
-            'lora_alpha': rank, 'rank_pattern': smaller, 'alpha_pattern': smaller,
-            'target_modules': sorted({m.rpartition('.')[2] for m in ranks}),
-            'modules_to_save': saved or None, 'lora_dropout': 0.0, 'fan_in_fan_out': False,
-            'bias': 'none', 'use_rslora': False, 'use_dora': False, 'inference_mode': True,
-            'task_type': None}
-  safetensors_io.save(os.path.join(directory, ADAPTER), tensors, hf.PT_METADATA)
-  atomic.write_json(os.path.join(directory, CONFIG), config)
+  config = peft_adapter.config(rank=rank, alpha=rank, rank_pattern=smaller,
+                               alpha_pattern=smaller, base_path=base_path,
+                               target_modules={m.rpartition('.')[2] for m in ranks},
+                               modules_to_save=saved)
+  peft_adapter.save(directory, tensors, config)
   report = {'rank': rank, 'modules': {m: {'rank': ranks[m], 'energy': energies[m]}
                                       for m in ranks}, 'modules_to_save': saved}
   atomic.write_json(os.path.join(directory, REPORT), report)

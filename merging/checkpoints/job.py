@@ -10,6 +10,10 @@ input's fingerprint (`editing.safetensors_io.fingerprint`) and the shard plan in
 `merge_plan.json`; a rerun resumes its finished shards only when all of them match, and
 otherwise refuses, naming the difference. The finished output keeps that record, so a rerun of
 the same merge finds it done.
+
+A fine-tuned model may be a PEFT LoRA adapter directory: it stands for the base with the
+adapter merged in, and a LoRA-space method (KnOTS, PEFT's combinations) merges the adapters'
+factors into an adapter instead (`adapters`).
 """
 
 import json
@@ -28,6 +32,8 @@ from editing import safetensors_io
 from editing.errors import UserError
 from editing.jobs import lock
 from editing.models import hf
+from editing.models import peft_adapter
+from merging.checkpoints import adapters
 from merging.checkpoints import extraction
 from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
@@ -57,8 +63,14 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
                     'models; give one per model, in order')
   output = os.path.abspath(output)
   _check_output_path(output, [base, *models])
+  low_rank = plan.method not in plan_lib.SINGLE_MODEL and merging.get(plan.method).low_rank
+  dense = [m for m in models if not peft_adapter.is_adapter(m)]
+  if low_rank and dense:
+    raise UserError(f'config.method = {plan.method} merges PEFT LoRA adapters, and {dense} '
+                    f'hold no {peft_adapter.CONFIG}')
   base_ckpt = hf.Checkpoint(base)
-  ckpts = [hf.Checkpoint(m) for m in models]
+  ckpts = [hf.Checkpoint(m) if m in dense else peft_adapter.Adapted(base_ckpt, m)
+           for m in models]
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
   shards = _shards(base_ckpt, names, plan)
@@ -81,6 +93,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
       if plan.method == 'extract_lora':
         summary['extraction'] = extraction.write(base_ckpt, ckpts[0], partial, plan.settings,
                                                  base)
+      elif low_rank:
+        summary['adapter'] = adapters.write(base_ckpt, models, partial, plan, base)
       else:
         _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names))
     except UserError:
@@ -88,7 +102,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
       shutil.rmtree(partial, ignore_errors=True)
       raise
     atomic.write_bytes(os.path.join(partial, CARD), _card(base, models, plan, recipe).encode())
-    if plan.method == 'extract_lora':
+    if plan.method == 'extract_lora' or low_rank:
       atomic.replace_directory(partial, output)  # an adapter: no index, no model config
     else:
       _finish(base, partial, output, shards)

@@ -23,7 +23,8 @@ OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes
 
 
 def methods() -> tuple[str, ...]:
-  """The methods a checkpoint merge runs: the data-free ones of `merging`, and SINGLE_MODEL."""
+  """The methods a checkpoint merge runs: the data-free ones of `merging` (those in LoRA space
+  merge PEFT adapters), and SINGLE_MODEL."""
   return tuple(n for n, m in merging.REGISTRY.items() if m.data_free) + SINGLE_MODEL
 
 

@@ -38,6 +38,7 @@ from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
+from editing.regimes.lora import LoRA
 import merging
 from merging import common
 from merging import lines
@@ -54,6 +55,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if refused:
       raise UserError(f'config.merge.methods: {refused} cannot merge {regime.name} task '
                        'vectors; leave them out for that regime')
+    low_rank = [m for m in methods if merging.get(m).low_rank]
+    if low_rank and not isinstance(regime, LoRA):
+      raise UserError(f'config.merge.methods: {low_rank} merge LoRA adapters, and the '
+                      f'{regime.name} task vectors are dense; leave them out for that regime')
   count = len(experiment.tasks(config))
   fixed = [m for m in methods if merging.get(m).vectors not in (None, count)]
   if fixed:
@@ -249,12 +254,17 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
   """Merges with every setting of the method's grid and keeps the one (and the λ) with the best
   mean normalized validation accuracy; test accuracy reported there.
 
+  LoRA vectors are merged as their dense ΔW = s·B A, but by the LoRA-space methods.
+
   A LiNeS result ('<method>+lines') scales each merge by depth instead of by one λ: λ_ℓ =
   α + β·ℓ/(L − 1) with the authors' α for multi-task merging, and β on λ's grid in its place.
   """
   method_name = _method(name)
   method = merging.get(method_name)
   reads = inputs.read_by(method_name)
+  if vectors[0].low_rank and not method.low_rank:
+    logging.info('%s: merging the LoRA vectors\' ΔW = s·BA, multiplied out', name)
+    vectors = [v.materialized(inputs.theta0) for v in vectors]
   names = list(inputs.data)
   grid = (evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
           else [1.0])
@@ -267,8 +277,10 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
     if name == method_name:
       candidates = [(None, vector, grid)]
     else:
-      alpha = lines.multi_task_alpha(vectors, vector)
-      candidates = [({'alpha': alpha, 'beta': beta}, lines.scale(vector, alpha, beta), [1.0])
+      # LiNeS scales leaves by their depth, and its α compares L1 norms of entries.
+      dense = vector.materialized(inputs.theta0)
+      alpha = lines.multi_task_alpha([v.materialized(inputs.theta0) for v in vectors], dense)
+      candidates = [({'alpha': alpha, 'beta': beta}, lines.scale(dense, alpha, beta), [1.0])
                     for beta in grid]
     for depth_scaling, candidate, alphas in candidates:
       addition = evaluate.task_addition(

@@ -1,0 +1,240 @@
+"""PEFT LoRA adapters in and out: adapter_config.json plus adapter_model.safetensors.
+
+An adapter over a Hugging Face model of a family (`editing.models.hf.FAMILIES`) is read as a
+LoRA task vector: each `base_model.model.<module>.lora_A.weight` (r × inputs) and `lora_B`
+(outputs × r) becomes the `LowRank` of the kernel whose weight is `<module>.weight` in the
+family's key map, with PEFT's scale α/r (α/√r under use_rslora; a module's own r and α from
+rank_pattern and alpha_pattern). PyTorch's (outputs, inputs) is the order `LowRank` keeps, so
+the factors are read and written as they are stored: reading an adapter and writing it back
+gives the same bytes.
+
+Refused, each by name: a pickled adapter (adapter_model.bin), another PEFT type, DoRA
+(use_dora), LoRA biases (lora_bias), fan_in_fan_out, embedding LoRA, `modules_to_save` (whole
+modules the task vector would have to hold densely), a module the family's key map does not
+know or lays out in parts, factors whose shapes do not fit the base, and an adapter written here
+for another base (its fingerprint, in the file's metadata).
+
+In a checkpoint merge an adapter directory stands for its fine-tuned model (`Adapted`: the
+base with the adapter merged in), and LoRA-space merges read the adapters' factors alone.
+"""
+
+import json
+import math
+import os
+import re
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from editing import atomic
+from editing import safetensors_io
+from editing import tree as tree_lib
+from editing.errors import UserError
+from editing.lora import PREFIX, LowRank, lora_keys
+from editing.models import keymap
+from editing.task_vector import TaskVector
+
+ADAPTER = 'adapter_model.safetensors'
+CONFIG = 'adapter_config.json'
+PT_METADATA = {'format': 'pt'}
+_BASE_KEY = 'editmerge_base'
+_LAYOUTS = ('linear', 'heads_in', 'heads_out')  # those whose ΔK is (B A)ᵀ reshaped
+_REFUSED = (('use_dora', 'DoRA'), ('lora_bias', 'LoRA biases'),
+            ('fan_in_fan_out', 'fan_in_fan_out (GPT-2 style Conv1D)'))
+
+
+def config(*, rank: int, alpha: float, target_modules, base_path: str,
+           rank_pattern: dict | None = None, alpha_pattern: dict | None = None,
+           modules_to_save=None, rslora: bool = False) -> dict:
+  """The adapter_config.json of a LoRA adapter PEFT loads."""
+  return {'peft_type': 'LORA', 'base_model_name_or_path': base_path, 'r': rank,
+          'lora_alpha': alpha, 'rank_pattern': rank_pattern or {},
+          'alpha_pattern': alpha_pattern or {}, 'target_modules': sorted(target_modules),
+          'modules_to_save': modules_to_save or None, 'lora_dropout': 0.0,
+          'fan_in_fan_out': False, 'bias': 'none', 'use_rslora': rslora, 'use_dora': False,
+          'inference_mode': True, 'task_type': None}
+
+
+def save(directory: str, tensors: dict, adapter_config: dict, metadata: dict | None = None):
+  """The adapter's two files, into `directory`."""
+  safetensors_io.save(os.path.join(directory, ADAPTER), tensors,
+                      {**PT_METADATA, **(metadata or {})})
+  atomic.write_json(os.path.join(directory, CONFIG), adapter_config)
+
+
+def _pattern(patterns: dict, module: str):
+  """PEFT's rank_pattern / alpha_pattern lookup: the first key the module's name ends with."""
+  for key, value in patterns.items():
+    if re.match(rf'(.*\.)?({key})$', module):
+      return value
+  return None
+
+
+def _rules(family, model: dict) -> dict[str, tuple[str, str]]:
+  """{their weight name: (our path, layout)} of the family's key map."""
+  return {theirs: (ours, layout)
+          for ours, theirs, layout in keymap.expand(family.rules, model['depth'])}
+
+
+class Factors(NamedTuple):
+  a: np.ndarray  # (r, inputs)
+  b: np.ndarray  # (outputs, r)
+  scale: float
+
+
+def factors(directory: str) -> tuple[dict[str, Factors], dict[str, str]]:
+  """({weight name: its factors}, the file's metadata) of the adapter in `directory`, a
+  module's weight named as in the base model's own checkpoint (`<module>.weight`)."""
+  if os.path.exists(os.path.join(directory, 'adapter_model.bin')) and \
+      not os.path.exists(os.path.join(directory, ADAPTER)):
+    raise UserError(f'{directory}: adapter_model.bin is a pickle, which is never unpickled '
+                    'here; save the adapter with safe_serialization (adapter_model.safetensors)')
+  try:
+    with open(os.path.join(directory, CONFIG)) as f:
+      adapter = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f'{directory}: no readable {CONFIG} ({e})') from None
+  if adapter.get('peft_type') != 'LORA':
+    raise UserError(f'{directory}: a {adapter.get("peft_type")} adapter; only LoRA is read')
+  for key, what in _REFUSED:
+    if adapter.get(key):
+      raise UserError(f'{directory}: {CONFIG} sets {key}: {what} is not read here')
+  if adapter.get('modules_to_save'):
+    raise UserError(f'{directory}: modules_to_save {adapter["modules_to_save"]} hold whole '
+                    'modules, which a LoRA task vector does not; merge without them')
+  tensors, metadata = safetensors_io.load(os.path.join(directory, ADAPTER))
+  found = {}
+  for name in sorted(tensors):
+    if not name.startswith(PREFIX) or not name.endswith(('.lora_A.weight', '.lora_B.weight')):
+      raise UserError(f'{directory}: {name} is not a LoRA factor of a linear layer (embedding '
+                      'LoRA, biases and saved modules are not read)')
+    if name.endswith('.lora_B.weight'):
+      continue
+    module = name[len(PREFIX):-len('.lora_A.weight')]
+    key_a, key_b = lora_keys(module)
+    if key_b not in tensors:
+      raise UserError(f'{directory}: {key_a} has no {key_b}')
+    a, b = tensors[key_a], tensors[key_b]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+      raise UserError(f'{directory}: {module} has factors A {a.shape} and B {b.shape}, which '
+                      'do not multiply')
+    rank = _pattern(adapter.get('rank_pattern') or {}, module) or adapter['r']
+    alpha = _pattern(adapter.get('alpha_pattern') or {}, module) or adapter['lora_alpha']
+    if a.shape[0] != rank:
+      raise UserError(f'{directory}: {module} has rank {a.shape[0]}, its config says {rank}')
+    found[module + '.weight'] = Factors(
+        a, b, alpha / (math.sqrt(rank) if adapter.get('use_rslora') else rank))
+  if not found:
+    raise UserError(f'{directory}: {ADAPTER} holds no LoRA factor')
+  return found, metadata
+
+
+def read(directory: str, family, model: dict, theta0) -> TaskVector:
+  """The LoRA task vector of the adapter in `directory` over θ0, a `family` model of `model`."""
+  found, metadata = factors(directory)
+  base = tree_lib.fingerprint(theta0)
+  if metadata.get(_BASE_KEY, base) != base:
+    raise UserError(f'{directory}: the adapter was written for the base {metadata[_BASE_KEY]}, '
+                    f'and this base is {base}')
+  rules, shapes = _rules(family, model), tree_lib.flatten(theta0)
+  delta = {}
+  for weight, (a, b, scale) in found.items():
+    ours = weight[len(family.prefix):] if family.prefix and weight.startswith(family.prefix) \
+        else weight
+    if ours not in rules or rules[ours][1] not in _LAYOUTS:
+      raise UserError(f'{directory}: {weight[:-len(".weight")]} is not a linear layer of a '
+                      f'{model} model that its key map reads whole')
+    path, layout = rules[ours]
+    shape = np.shape(shapes[path])
+    outputs, inputs = keymap.their_shape(layout, shape)
+    if a.shape[1] != inputs or b.shape[0] != outputs:
+      raise UserError(f'{directory}: {weight[:-len(".weight")]} has factors A {a.shape} and B '
+                      f'{b.shape}, and the base layer is {outputs} × {inputs}: an adapter for '
+                      'another base')
+    delta[path] = LowRank(b, a, np.float32(scale), shape)
+  return TaskVector(delta, (os.path.basename(os.path.normpath(directory)),), 'lora', base)
+
+
+def write(directory: str, vector: TaskVector, family, model: dict, *, base_path: str = '',
+          theta0=None) -> None:
+  """`vector`'s factors as an adapter PEFT loads over the family's Hugging Face model; with
+  θ0, its fingerprint goes into the file's metadata."""
+  if not vector.low_rank:
+    raise UserError(f'{vector.tasks}: a dense task vector; factor it first '
+                    '(editing.lora.factor) to write it as a LoRA adapter')
+  by_path = {ours: theirs for theirs, (ours, _) in _rules(family, model).items()}
+  unnamed = sorted(set(vector.delta) - set(by_path))
+  if unnamed:
+    raise UserError(f'{unnamed[0]}: the {family.prefix or ""}key map of {model} has no Hugging '
+                    'Face name for it')
+  metadata = {_BASE_KEY: tree_lib.fingerprint(theta0)} if theta0 is not None else {}
+  tensors, adapter = tensors_and_config(
+      {by_path[p][:-len('.weight')]: f for p, f in vector.delta.items()}, base_path)
+  with atomic.directory(directory) as tmp:
+    save(tmp, tensors, adapter, metadata)
+
+
+def tensors_and_config(modules: dict[str, LowRank], base_path: str,
+                       dtype=np.float32) -> tuple[dict, dict]:
+  """The saved tensors and adapter_config.json of {module: factors}: the most common rank and
+  scale give r and lora_alpha (α = s·r), the other modules theirs in rank_pattern and
+  alpha_pattern."""
+  tensors, ranks, alphas = {}, {}, {}
+  for module, f in modules.items():
+    key_a, key_b = lora_keys(module)
+    tensors[key_a], tensors[key_b] = (np.asarray(x).astype(dtype) for x in (f.a, f.b))
+    ranks[module], alphas[module] = f.rank, float(f.scale) * f.rank
+  rank = max(set(ranks.values()), key=list(ranks.values()).count)
+  alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+  return tensors, config(rank=rank, alpha=alpha, base_path=base_path, target_modules=set(ranks),
+                         rank_pattern={m: r for m, r in ranks.items() if r != rank},
+                         alpha_pattern={m: a for m, a in alphas.items() if a != alpha})
+
+
+class Adapted:
+  """A base checkpoint with an adapter merged into it, read as an `hf.Checkpoint` is: each
+  adapted weight is W + s·B A, computed in float32 and stored back in W's dtype (the weights
+  PEFT's merge_and_unload makes); every other tensor is the base's."""
+
+  def __init__(self, base, directory: str):
+    self.path, self.config, self._base = directory, base.config, base
+    self._factors, _ = factors(directory)
+    for weight, f in self._factors.items():
+      if weight not in base.files:
+        raise UserError(f'{directory}: adapts {weight}, which {base.path} does not hold')
+      shape = tuple(base.header(weight)[0])
+      if shape != (f.b.shape[0], f.a.shape[1]):
+        raise UserError(f'{directory}: the factors of {weight} make a {f.b.shape[0]} × '
+                        f'{f.a.shape[1]} delta, and {base.path} has {shape}: an adapter for '
+                        'another base')
+    adapter = os.path.join(directory, ADAPTER)
+    self.files = {n: adapter if n in self._factors else f for n, f in base.files.items()}
+    # The blocks of one tensor are read one after another: its adapted weight is made once.
+    self._last, self._lock = (None, None), threading.Lock()
+
+  def header(self, name: str):
+    return self._base.header(name)
+
+  def tensor(self, name: str) -> np.ndarray:
+    if name not in self._factors:
+      return self._base.tensor(name)
+    with self._lock:
+      if self._last[0] != name:
+        weight, f = self._base.tensor(name), self._factors[name]
+        product = np.asarray(f.b, np.float32) @ np.asarray(f.a, np.float32)
+        self._last = (name, (weight.astype(np.float32) + f.scale * product).astype(weight.dtype))
+      return self._last[1]
+
+  def read(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    if name not in self._factors:
+      return self._base.read(name, start, stop, out)
+    entries = self.tensor(name).reshape(-1)[start:stop]
+    if out is None:
+      return entries.copy()
+    out[:stop - start] = entries
+    return out
+
+
+def is_adapter(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, CONFIG))
