@@ -1,5 +1,6 @@
 """LoRA-space merges: PEFT's combinations against peft's own add_weighted_adapter, KnOTS against
-a numpy transcription of the paper's steps, and each one's defining property."""
+a numpy transcription of the paper's steps, LoRM against least squares solved by numpy on each
+layer's inputs, and each one's defining property."""
 
 import jax
 import jax.numpy as jnp
@@ -7,12 +8,16 @@ import numpy as np
 import pytest
 
 import merging
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.lora import LowRank
 from editing.task_vector import TaskVector
+from merging import common
 from merging import knots
 from merging import lorm
+from merging import ops
 from merging import peft_combinations
+from tests import test_merging as toy
 
 # Two adapted Linear layers of 6 inputs and 5 outputs, kernels (in, out) = (6, 5).
 MODULES = ('q', 'v')
@@ -210,7 +215,6 @@ def test_knots_dare_equals_the_transcription_on_the_same_draws():
   key = jax.random.PRNGKey(5)
   merged = knots.merge_dare(vectors, key=key, p=0.3)
   _, reps = knots.aligned(vectors)
-  from merging import ops  # pylint: disable=g-import-not-at-top
   dropped = [ops.drop_and_rescale(r, 0.3, k) for r, k in zip(reps, jax.random.split(key, 3))]
   flat = [np.concatenate([np.ravel(d[m]) for m in MODULES]) for d in dropped]
   zeros = np.mean([np.mean(f == 0) for f in flat])
@@ -322,3 +326,40 @@ def test_one_adapter_merges_to_itself(name, settings):
     a, b = factor_sets[0][m]
     np.testing.assert_allclose(merged.delta[m].scale * merged.delta[m].b @ merged.delta[m].a,
                                (ALPHA / RANK) * b @ a, rtol=1e-4, atol=1e-5, err_msg=m)
+
+
+def test_lorm_merge_equals_alternating_least_squares_on_each_layers_inputs():
+  """The whole merge on a two-layer net: each task's inputs to each layer taken by hand on its
+  own fine-tuned model, then the B and A steps solved by numpy's lstsq on them."""
+  rng = np.random.default_rng(13)
+  kernels = {'hidden/kernel': (4, 6), 'out/kernel': (6, 3)}
+  vectors = [TaskVector({p: LowRank(0.3 * rng.normal(size=(o, 2)).astype(np.float32),
+                                    rng.normal(size=(2, i)).astype(np.float32),
+                                    np.float32(1.5), (i, o)) for p, (i, o) in kernels.items()},
+                        (t,), 'lora', 'base') for t in toy.TASKS]
+  data = {t: common.TaskData(toy.APPLY, rng.normal(size=(20, 4)).astype(np.float32))
+          for t in toy.TASKS}
+  merged = lorm.merge(vectors, theta0=toy.THETA0, apply_fn=toy.APPLY, data=data, rounds=3,
+                      alpha=1.0, batch_size=8)
+  inputs = {p: [] for p in kernels}
+  for v, t in zip(vectors, toy.TASKS):
+    params = tree_lib.flatten(v.apply_to(toy.THETA0))
+    x = data[t].images.astype(np.float64)
+    inputs['hidden/kernel'].append(x)
+    inputs['out/kernel'].append(np.tanh(x @ params['hidden/kernel'] + params['hidden/bias']))
+  for path in kernels:
+    deltas = [np.asarray(v.delta[path].scale * v.delta[path].b @ v.delta[path].a, np.float64)
+              for v in vectors]
+    xs = inputs[path]
+    u, s, vt = np.linalg.svd(sum(deltas), full_matrices=False)
+    b, a = u[:, :2] * s[:2], vt[:2]
+    targets = np.concatenate([d @ x.T for d, x in zip(deltas, xs)], axis=1)
+    for _ in range(3):
+      b = np.linalg.lstsq(np.concatenate([a @ x.T for x in xs], axis=1).T, targets.T,
+                          rcond=None)[0].T
+      design = np.concatenate([np.kron(x, b) for x in xs])
+      a = np.linalg.lstsq(design, np.concatenate([(d @ x.T).ravel(order='F')
+                                                  for d, x in zip(deltas, xs)]),
+                          rcond=None)[0].reshape(a.shape, order='F')
+    np.testing.assert_allclose(merged.delta[path].b @ merged.delta[path].a, b @ a, rtol=1e-3,
+                               atol=1e-4, err_msg=path)
