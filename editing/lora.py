@@ -70,10 +70,13 @@ class LowRank:
   def rank(self) -> int:
     return self.a.shape[0]
 
+  def matrix(self) -> jax.Array:
+    """ΔW = s · B A, (outputs, inputs) as PyTorch lays a weight, float32."""
+    return self.scale * (jnp.asarray(self.b, jnp.float32) @ jnp.asarray(self.a, jnp.float32))
+
   def dense(self) -> jax.Array:
     """ΔK = s · (B A)ᵀ, in the kernel's shape, float32."""
-    product = jnp.asarray(self.b, jnp.float32) @ jnp.asarray(self.a, jnp.float32)
-    return (self.scale * product.T).reshape(self.shape)
+    return self.matrix().T.reshape(self.shape)
 
   def scaled(self, c) -> 'LowRank':
     return self.replace(scale=c * self.scale)

@@ -40,8 +40,7 @@ def aligned(task_vectors: Sequence[TaskVector]) -> tuple[dict[str, np.ndarray], 
   """({path: U}, per task {path: R_t = Σ V_tᵀ}) of the joint SVD of every adapted kernel."""
   basis, reps = {}, [{} for _ in task_vectors]
   for path in task_vectors[0].delta:
-    deltas = [np.asarray(v.delta[path].scale * v.delta[path].b @ v.delta[path].a, np.float64)
-              for v in task_vectors]
+    deltas = [np.asarray(v.delta[path].matrix(), np.float64) for v in task_vectors]
     u, s, vt = np.linalg.svd(np.concatenate(deltas, axis=1), full_matrices=False)
     kept = s > RANK_EPSILON
     basis[path] = u[:, kept].astype(np.float32)

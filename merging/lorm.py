@@ -85,8 +85,7 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn
            for v in task_vectors]
   delta = {}
   for path, factors in first.delta.items():
-    deltas = [np.asarray(v.delta[path].scale * v.delta[path].b @ v.delta[path].a, np.float64)
-              for v in task_vectors]
+    deltas = [np.asarray(v.delta[path].matrix(), np.float64) for v in task_vectors]
     shrunk = [alpha * g[path] + (1 - alpha) * np.diag(np.diag(g[path])) for g in grams]
     rank = max(v.delta[path].rank for v in task_vectors)
     b, a = fit(deltas, shrunk, rank, rounds)

@@ -102,7 +102,7 @@ def _factor_merge(factors: list[LowRank], weights, combination, *, density, majo
     b = combined([f.b for f in factors], roots, combination, key=key_b, **op_settings)
     return LowRank(b, a, one, shape)
   op = 'linear' if combination == 'svd' else combination[:-len('_svd')]
-  delta = combined([f.scale * f.b @ f.a for f in factors], weights, op, key=key, **op_settings)
+  delta = combined([f.matrix() for f in factors], weights, op, key=key, **op_settings)
   rank = svd_rank or max(f.rank for f in factors)
   if rank > min(delta.shape):
     raise UserError(f'peft_{combination}: svd_rank {rank} exceeds the {delta.shape} ΔW of {path}')
