@@ -69,7 +69,8 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
   config.head.logit_scale = 100.0
   config.finetune.update(steps=2000, batch_size=128, learning_rate=1e-5, weight_decay=0.1,
                          warmup_steps=500, checkpoint_every=500, log_every=50)
-  config.eval.update(batch_size=256, disentanglement_points=5, disentanglement_size=500)
+  config.eval.update(batch_size=256, alpha_step=0.05, disentanglement_points=5,
+                     disentanglement_size=500)
   config.talos.batch_size = 16
   # --config.regimes=lora,l_lora: L-LoRA's CLIP settings (Tang et al.: r 16, α 32) on the
   # query and value projections.

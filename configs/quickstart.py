@@ -1,6 +1,6 @@
 r"""The built-in suite end to end: pretrain, fine-tune every task, add and negate task vectors.
 
-  python -m launch.quickstart                                  # about 8 minutes on 2 CPU cores
+  python -m launch.quickstart                                  # about 6 minutes on 2 CPU cores
   python -m launch.quickstart --config=configs/quickstart.py:tiny --workdir=/tmp/tiny
   python -m launch.quickstart --config.finetune.steps=300 --workdir=workdir/longer
   python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos
@@ -97,25 +97,31 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # task, so its validation set is capped (the pretraining corpus's own is much larger).
   # Weight disentanglement ξ runs on task pairs 'a:b,c:d' (empty: consecutive pairs of
   # suite.tasks) over linspace(-limit, limit, points)², on the first `size` test images of each.
+  # These sizes keep the quickstart's evaluation near two minutes on two CPU cores
+  # (docs/speed.md): a 0.1 step for α, ξ every 0.5 on 128 images per task (two tasks' images
+  # fill one batch of 256).
   config.eval = ml_collections.ConfigDict(dict(
       batch_size=512,
-      alpha_step=0.05,
+      alpha_step=0.1,
       negation_threshold=0.95,
       control_val_size=500,
       disentanglement_pairs='',
       disentanglement_limit=2.0,
-      disentanglement_points=15,
-      disentanglement_size=250,
+      disentanglement_points=9,
+      disentanglement_size=128,
   ))
 
   # launch.benchmark: `job` 'regimes' times the fine-tuning step of every regime on one batch
   # of `task` (its data, θ0 and head drawn from `seed`), or of random images of `image_size`
   # pixels when it is not 0, over `steps` steps after compiling, with MFU against
-  # `peak_flops` per device (0: a known accelerator's bf16 peak); 'merge_checkpoints' times
+  # `peak_flops` per device (0: a known accelerator's bf16 peak), beside PyTorch's eager step
+  # (`torch`, on a CPU with torch installed), and the evaluator's throughput on `eval_batches`
+  # batches against the bare forward pass; 'merge_checkpoints' times
   # streaming checkpoint merges against the I/O floor; 'mergekit' runs `recipes` (all: '')
   # through the `mergekit` command given and editmerge, and compares them.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
                                                     steps=20, image_size=0, peak_flops=0.0,
+                                                    torch=True, eval_batches=4,
                                                     mergekit='', recipes=''))
 
   # Devices: 0 means all visible ones, on a (data, fsdp, tensor) mesh whose data axis takes

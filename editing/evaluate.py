@@ -20,6 +20,7 @@ import numpy as np
 
 from editing import batching
 from editing import distributed
+from editing.progress import Progress
 from editing import sharding as sharding_lib
 from editing.data.suite import Dataset
 from editing.errors import UserError
@@ -38,48 +39,100 @@ def alpha_grid(step: float = 0.05, stop: float = 1.0) -> list[float]:
 class Evaluator:
   """Predictions of encoder + frozen cosine head, in fixed-size batches split over the mesh's
   data × fsdp axes (one compile), with θ0, params and task vectors placed by `sharding_rules`
-  (the training rules: a model that trains sharded evaluates sharded)."""
+  (the training rules: a model that trains sharded evaluates sharded).
+
+  The encoder is the only compiled program: the datasets scored under one edit are read as one
+  sequence of full batches (so eight validation sets of 500 fill batches of 512 instead of
+  padding eight), the last batch padded only to the halving of the batch size that holds it,
+  and each head classifies its own dataset's features on the host. Heads of any number of
+  classes thus share the encoder's compiles.
+  """
 
   def __init__(self, encoder: Encoder, *, logit_scale: float, mesh: jax.sharding.Mesh,
                batch_size: int, sharding_rules=sharding_lib.REPLICATED_RULES):
+    del logit_scale  # a positive scale of cosine logits changes no prediction
     sharding_lib.check_batch_size(mesh, batch_size, 'eval batch_size')
     self._batch_size = batch_size
     self._mesh, self._rules = mesh, sharding_rules
     self._batch = sharding_lib.batch_sharding(mesh)
     self._encode = jax.jit(encoder, out_shardings=self._batch)
-    self._predict = jax.jit(
-        lambda theta0, params, head, images: jnp.argmax(
-            head_lib.logits_fn(encoder, theta0, head, logit_scale)(params, images), axis=-1),
-        out_shardings=self._batch)
     self._apply = jax.jit(lambda theta0, vector, alpha: vector.apply_to(theta0, alpha))
-
-  def _batched(self, fn, data: Dataset) -> np.ndarray:
-    outputs = []
-    # Padding rows repeat example 0 and are cut from the outputs.
-    for batch in batching.padded_batches([np.arange(len(data))], self._batch_size):
-      images, _ = distributed.global_batch(data.batch, batch.arrays[0], self._batch)
-      outputs.append(distributed.to_host(fn(images))[:batch.count])
-    return np.concatenate(outputs)
+    self._apply_sum = jax.jit(lambda theta0, vectors, alphas: sum(
+        v * a for v, a in zip(vectors, alphas)).apply_to(theta0))
 
   def place(self, params: PyTree) -> PyTree:
     """`params` on the mesh, by the rules (a no-op for params already placed so)."""
     return jax.device_put(params, sharding_lib.param_shardings(self._mesh, params, self._rules))
 
   def features(self, theta0: PyTree, params: PyTree, data: Dataset) -> np.ndarray:
+    return self._features(theta0, params, [data])[0]
+
+  def _features(self, theta0: PyTree, params: PyTree, datasets: Sequence[Dataset]) -> list:
+    """The encoder's features of each dataset, from one pass over all of them in order."""
     theta0, params = self.place(theta0), self.place(params)
-    return self._batched(lambda x: self._encode(theta0, params, x), data)
+    chain = _Chain(datasets)
+    outputs = []
+    # Padding rows repeat row 0 and are cut from the outputs.
+    for batch in batching.padded_batches([np.arange(len(chain))], self._batch_size,
+                                         multiple=sharding_lib.batch_devices(self._mesh)):
+      images, _ = distributed.global_batch(chain.batch, batch.arrays[0], self._batch)
+      outputs.append(distributed.to_host(self._encode(theta0, params, images))[:batch.count])
+    return np.split(np.concatenate(outputs), np.cumsum([len(d) for d in datasets])[:-1])
+
+  def predict(self, theta0: PyTree, params: PyTree,
+              scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, np.ndarray]:
+    """{key: predicted classes} of `scored` = {key: (head, dataset)}, from one feature pass."""
+    features = self._features(theta0, params, [data for _, data in scored.values()])
+    return {key: np.asarray(jnp.argmax(head_lib.logits(f, head, 1.0), axis=-1))
+            for (key, (head, _)), f in zip(scored.items(), features)}
+
+  def accuracies(self, theta0: PyTree, params: PyTree,
+                 scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, float]:
+    """{key: accuracy} of `scored` = {key: (head, dataset)}, from one feature pass."""
+    predicted = self.predict(theta0, params, scored)
+    return {key: float(np.mean(predicted[key] == data.labels))
+            for key, (_, data) in scored.items()}
 
   def predictions(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> np.ndarray:
-    theta0, params = self.place(theta0), self.place(params)
-    return self._batched(lambda x: self._predict(theta0, params, head, x), data)
+    return self.predict(theta0, params, {0: (head, data)})[0]
 
   def accuracy(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> float:
-    return float(np.mean(self.predictions(theta0, params, head, data) == data.labels))
+    return self.accuracies(theta0, params, {0: (head, data)})[0]
 
   def edit(self, theta0: PyTree, vector: TaskVector, alpha: float) -> PyTree:
     """θ0 + α·τ, jitted once for every α, on the mesh as the rules place params."""
     return self._apply(self.place(theta0), vector.replace(delta=self.place(vector.delta)),
                        jnp.float32(alpha))
+
+  def edit_sum(self, theta0: PyTree, vectors: Sequence[TaskVector],
+               alphas: Sequence[float]) -> PyTree:
+    """θ0 + Σ_i α_i·τ_i, jitted once for every α."""
+    return self._apply_sum(self.place(theta0),
+                           [v.replace(delta=self.place(v.delta)) for v in vectors],
+                           jnp.asarray(alphas, jnp.float32))
+
+
+class _Chain:
+  """Datasets read as one: row i of the chain is row i − offset of the dataset it falls in."""
+
+  def __init__(self, datasets: Sequence[Dataset]):
+    self._datasets = list(datasets)
+    self._ends = np.cumsum([len(d) for d in datasets])
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    indices = np.asarray(indices)
+    which = np.searchsorted(self._ends, indices, side='right')
+    starts = np.concatenate([[0], self._ends[:-1]])
+    parts = [self._datasets[d].batch(indices[which == d] - starts[d])
+             for d in np.unique(which)]
+    images = np.concatenate([x for x, _ in parts])
+    labels = np.concatenate([y for _, y in parts])
+    # Rows come out grouped by dataset; `indices` may not be (padding repeats row 0).
+    order = np.argsort(np.argsort(which, kind='stable'), kind='stable')
+    return images[order], labels[order]
 
 
 def finetuned_accuracy(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[TaskVector],
@@ -90,8 +143,9 @@ def finetuned_accuracy(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[T
   for vector in vectors:
     task = vector.tasks[0]
     params = evaluator.edit(theta0, vector, 1.0)
-    out[task] = {split: evaluator.accuracy(theta0, params, heads[task], getattr(data[task], split))
-                 for split in ('val', 'test')}
+    out[task] = evaluator.accuracies(
+        theta0, params, {split: (heads[task], getattr(data[task], split))
+                         for split in ('val', 'test')})
   return out
 
 
@@ -121,14 +175,16 @@ def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
                     'example correctly, so accuracy normalized by theirs is undefined; '
                     'fine-tune longer or check the data')
   curve = []
+  progress = Progress('task addition', len(alphas), unit='edits')
   for alpha in alphas:
     params = evaluator.edit(theta0, vector, alpha)
-    accs = {t: evaluator.accuracy(theta0, params, heads[t], val[t]) for t in names}
+    accs = evaluator.accuracies(theta0, params, {t: (heads[t], val[t]) for t in names})
     normalized = float(np.mean([accs[t] / finetuned[t]['val'] for t in names]))
     curve.append({'alpha': alpha, 'val': accs, 'normalized_val': normalized})
+    progress.advance()
   best = max(curve, key=lambda point: point['normalized_val'])
   params = evaluator.edit(theta0, vector, best['alpha'])
-  accs = {t: evaluator.accuracy(theta0, params, heads[t], test[t]) for t in names}
+  accs = evaluator.accuracies(theta0, params, {t: (heads[t], test[t]) for t in names})
   normalized = {t: accs[t] / finetuned[t]['test'] for t in names}
   return {'alpha': best['alpha'], 'test': accs, 'normalized_test': normalized,
           'mean_test': float(np.mean(list(accs.values()))),
@@ -153,18 +209,20 @@ def task_negation(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *, h
     raise UserError(f'the negation grid must contain alpha=0 (the pretrained model): {alphas}')
   negated = -vector
   curve = []
+  progress = Progress(f'task negation of {"+".join(vector.tasks)}', len(alphas), unit='edits')
   for alpha in alphas:
     params = evaluator.edit(theta0, negated, alpha)
-    curve.append({'alpha': alpha,
-                  'target_val': evaluator.accuracy(theta0, params, head, val),
-                  'control_val': evaluator.accuracy(theta0, params, control_head, control_val)})
+    accs = evaluator.accuracies(theta0, params, {'target_val': (head, val),
+                                                 'control_val': (control_head, control_val)})
+    curve.append({'alpha': alpha, **accs})
+    progress.advance()
   floor = threshold * next(p['control_val'] for p in curve if p['alpha'] == 0)
   feasible = [p for p in curve if p['control_val'] >= floor]
   best = min(feasible, key=lambda point: point['target_val'])
   params = evaluator.edit(theta0, negated, best['alpha'])
   return {'alpha': best['alpha'],
-          'target_test': evaluator.accuracy(theta0, params, head, test),
-          'control_test': evaluator.accuracy(theta0, params, control_head, control_test),
+          **evaluator.accuracies(theta0, params, {'target_test': (head, test),
+                                                  'control_test': (control_head, control_test)}),
           'curve': curve}
 
 
@@ -189,22 +247,22 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
     raise ValueError('disentanglement takes exactly two task vectors, heads and datasets')
   # Read (and, for images on disk, decoded) once for the whole grid. Every dataset's images
   # are 8-bit, so storing them back as uint8 loses nothing.
-  loaded = [d.batch(np.arange(len(d))) for d in data]
-  both = Dataset(np.round(np.concatenate([x for x, _ in loaded]) * 255).astype(np.uint8),
-                 np.concatenate([y for _, y in loaded]))
-  ends = np.cumsum([len(d) for d in data])[:-1]
+  loaded = [Dataset(np.round(x * 255).astype(np.uint8), y)
+            for x, y in (d.batch(np.arange(len(d))) for d in data)]
+  progress = Progress('weight disentanglement', len(alphas) * (len(alphas) + 2), unit='edits')
 
-  def predictions(params):
-    """Each task's head on its own inputs, from one feature pass over both."""
-    features = np.split(evaluator.features(theta0, params, both), ends)
-    return [np.argmax(head_lib.logits(f, h, 1.0), axis=-1) for f, h in zip(features, heads)]
+  def predictions(params, tasks):
+    """Each of `tasks`' heads on its own inputs, from one feature pass over them."""
+    predicted = evaluator.predict(theta0, params, {t: (heads[t], loaded[t]) for t in tasks})
+    progress.advance()
+    return predicted
 
-  alone = [[predictions(evaluator.edit(theta0, v, a))[t] for a in alphas]
+  alone = [[predictions(evaluator.edit(theta0, v, a), [t])[t] for a in alphas]
            for t, v in enumerate(vectors)]
   xi = np.zeros((len(alphas), len(alphas)))
   for i, a1 in enumerate(alphas):
     for j, a2 in enumerate(alphas):
-      together = predictions(evaluator.edit(theta0, a1 * vectors[0] + a2 * vectors[1], 1.0))
+      together = predictions(evaluator.edit_sum(theta0, vectors, (a1, a2)), [0, 1])
       xi[i, j] = (np.mean(together[0] != alone[0][i]) + np.mean(together[1] != alone[1][j]))
   return xi
 

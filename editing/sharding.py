@@ -127,8 +127,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
+def batch_devices(mesh: Mesh) -> int:
+  """The devices a batch is split over: those of the data and fsdp axes."""
+  return _size(mesh, batch_axes(mesh))
+
+
 def check_batch_size(mesh: Mesh, batch_size: int, what: str = 'batch_size') -> None:
-  devices = _size(mesh, batch_axes(mesh))
+  devices = batch_devices(mesh)
   if batch_size % devices:
     raise UserError(f'{what}={batch_size} is not divisible by the {devices} devices of the '
                     'data and fsdp axes')

@@ -3,11 +3,14 @@ program, MFU against the peak given."""
 
 import json
 
+import jax
 import numpy as np
+import pytest
 
 from configs import quickstart
 from editing import regimes
 from editing.jobs import benchmark
+from editing.jobs import experiment
 from tests.conftest import run_python
 
 
@@ -27,6 +30,13 @@ def test_the_benchmark_reports_flops_and_mfu_against_a_given_peak(tmp_path):
   assert result['regimes']['linearized']['flops_per_step'] > full['flops_per_step']
   # LoRA computes no gradient of θ0's weights, only of the small factors.
   assert result['regimes']['lora']['flops_per_step'] < full['flops_per_step']
+  # The PyTorch reference ran (its forward matched the JAX model's, or it would have raised),
+  # and the evaluator was timed against the bare forward pass over the same images.
+  assert set(result['torch']) == {'full', 'linearized'}
+  assert all(r['images_per_s'] > 0 and r['speedup'] > 0 for r in result['torch'].values())
+  evaluation = result['evaluation']
+  assert evaluation['images'] == config.benchmark.eval_batches * config.eval.batch_size
+  assert evaluation['evaluator_images_per_s'] > 0 and evaluation['slowdown'] > 0
 
 
 SHARDED_MATMUL = r'''
@@ -34,6 +44,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from editing.jobs import benchmark
+from editing.jobs import experiment
 
 mesh = jax.make_mesh((8,), ('rows',))
 m, k, n = 256, 128, 64
@@ -70,3 +81,26 @@ def test_an_unknown_benchmark_job_is_named_with_the_known_ones(tmp_path):
   assert proc.stderr.strip().splitlines()[-1].endswith(
       "unknown benchmark job 'regime'; known: ['merge_checkpoints', 'mergekit', 'regimes']"), \
       proc.stderr
+
+
+def test_the_pytorch_reference_trains_the_same_model_as_the_jax_step():
+  import torch  # pylint: disable=g-import-not-at-top
+  from editing.jobs import torch_reference  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  config = quickstart.get_config('tiny')
+  module, apply_fn = experiment.model(config.model)
+  rng = np.random.default_rng(0)
+  images = rng.uniform(size=(4, 32, 32, 3)).astype(np.float32)
+  theta0 = module.init(jax.random.PRNGKey(0), images[:1])['params']
+  expected = np.asarray(apply_fn(theta0, images))
+  with pytest.raises(AssertionError, match='does not compute the JAX model'):
+    torch_reference.Step(theta0, np.eye(3, 32), images, [0, 1, 2, 0], model=config.model,
+                         expected=expected + 0.1, logit_scale=30.0, learning_rate=1e-3,
+                         weight_decay=0.1, grad_clip=1.0)
+  for linearized in (False, True):
+    step = torch_reference.Step(theta0, np.eye(3, 32), images, [0, 1, 2, 0],
+                                model=config.model, expected=expected, logit_scale=30.0,
+                                learning_rate=1e-3, weight_decay=0.1, grad_clip=1.0,
+                                linearized=linearized)
+    losses = [step() for _ in range(5)]
+    assert losses[-1] < losses[0]

@@ -16,9 +16,10 @@ class ScalarModelEvaluator:
   def edit(self, theta0, vector, alpha):
     return vector.apply_to(theta0, alpha)
 
-  def accuracy(self, theta0, params, head, data):
+  def accuracies(self, theta0, params, scored):
     del theta0
-    return float(head(float(params['theta']), data))
+    return {key: float(head(float(params['theta']), data))
+            for key, (head, data) in scored.items()}
 
 
 def vector(value=1.0):
@@ -88,22 +89,57 @@ def test_evaluator_accuracy_handles_a_partial_last_batch():
   np.testing.assert_allclose(edited['scale'], 2.0)
 
 
-def test_sweeping_alpha_and_datasets_compiles_once():
+def test_sweeping_alpha_datasets_and_heads_compiles_once():
   encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
   evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
                                  batch_size=8)
   theta0 = {'scale': jnp.float32(1.0)}
   vector = TaskVector({'scale': jnp.float32(0.5)}, ('t',), 'full', 'b')
-  head = jnp.eye(3)
   rng = np.random.default_rng(0)
   datasets = [Dataset(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
                       rng.integers(0, 3, n).astype(np.int32)) for n in (5, 19)]
   for alpha in evaluate.alpha_grid(0.25):
     params = evaluator.edit(theta0, vector, alpha)
-    for data in datasets:
+    for data, head in zip(datasets, (jnp.eye(3), jnp.eye(3)[:2])):
       evaluator.accuracy(theta0, params, head, data)
   assert evaluator._apply._cache_size() == 1  # pylint: disable=protected-access
-  assert evaluator._predict._cache_size() == 1  # pylint: disable=protected-access
+  assert evaluator._encode._cache_size() == 1  # pylint: disable=protected-access
+
+
+def colour_model(batch_size=16):
+  """An encoder whose embedding is an image's mean colour, and random images with labels."""
+  encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
+  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+                                 batch_size=batch_size)
+  rng = np.random.default_rng(3)
+  datasets = [Dataset(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+                      rng.integers(0, 3, n).astype(np.int32)) for n in (7, 40, 3)]
+  return evaluator, {'scale': jnp.float32(1.0)}, datasets
+
+
+def test_datasets_scored_together_are_each_scored_as_alone():
+  # Their images share batches; each head must still read its own dataset's rows, in order.
+  evaluator, params, datasets = colour_model()
+  heads = [jnp.eye(3), jnp.eye(3)[::-1], jnp.eye(3)[:2]]
+  scored = dict(zip('abc', zip(heads, datasets)))
+  together = evaluator.predict(params, params, scored)
+  for key, (head, data) in scored.items():
+    colours = data.images.astype(np.float64).mean(axis=(1, 2))
+    directions = np.asarray(head, np.float64)
+    expected = np.argmax(colours / np.linalg.norm(colours, axis=1, keepdims=True)
+                         @ directions.T, axis=1)
+    np.testing.assert_array_equal(together[key], expected)
+  accuracies = evaluator.accuracies(params, params, scored)
+  assert accuracies == {k: float(np.mean(together[k] == d.labels))
+                        for k, (_, d) in scored.items()}
+
+
+def test_weight_disentanglement_logs_its_progress(caplog):
+  evaluator, theta0, vectors, heads, data = two_task_toy(entangled=True)
+  with caplog.at_level('INFO'):
+    evaluate.disentanglement(evaluator, theta0, vectors, heads=heads, data=data,
+                             alphas=evaluate.disentanglement_grid(2.0, 3))
+  assert 'weight disentanglement: 15/15 edits' in caplog.text and 'eta' in caplog.text
 
 
 def two_task_toy(entangled: bool):

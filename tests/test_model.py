@@ -56,3 +56,28 @@ def test_prototype_head_classifies_its_own_class_means():
   logits = head_lib.logits(jnp.asarray(features), jnp.asarray(head), 10.0)
   assert np.all(np.argmax(logits, -1) == labels)
   assert np.abs(logits).max() <= 10.0 + 1e-4
+
+
+def test_a_padded_head_has_the_loss_gradient_and_predictions_of_its_classes():
+  rng = np.random.default_rng(1)
+  features = rng.normal(size=(12, 8)).astype(np.float32)
+  head = rng.normal(size=(5, 8)).astype(np.float32)
+  labels = rng.integers(0, 5, 12)
+  padded = head_lib.padded(head)
+  assert padded.shape == (16, 8) and head_lib.padded(np.ones((10, 8), np.float32)).shape == (16, 8)
+  # The reference: cross-entropy over the five cosine logits, in float64.
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  cosines = 30.0 * unit(features.astype(np.float64)) @ unit(head.astype(np.float64)).T
+  log_p = cosines - np.log(np.exp(cosines).sum(axis=1, keepdims=True))
+  expected = -log_p[np.arange(12), labels].mean()
+  loss_fn = head_lib.frozen_head_loss(lambda theta0, params, x: x + params['shift'], 30.0)
+  loss_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+  params = {'shift': jnp.zeros(8)}
+  (loss, metrics), grads = loss_and_grad(params, {'theta0': None, 'head': padded},
+                                         jnp.asarray(features), labels, None)
+  (_, _), unpadded_grads = loss_and_grad(params, {'theta0': None, 'head': jnp.asarray(head)},
+                                         jnp.asarray(features), labels, None)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  assert np.abs(unpadded_grads['shift']).max() > 1e-2
+  np.testing.assert_allclose(grads['shift'], unpadded_grads['shift'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics['accuracy'], np.mean(np.argmax(cosines, 1) == labels))

@@ -37,6 +37,7 @@ _RANGES = (
     ('*batch_size', _integer(1)),
     ('*_every', _integer(1)),
     ('benchmark.image_size', _integer(0)),
+    ('benchmark.eval_batches', _integer(1)),
     ('*_size', _integer(1)),
     ('*.rounds', _integer(1)),
     ('*.accumulation', _integer(1)),

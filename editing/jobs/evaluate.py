@@ -41,8 +41,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     f'({",".join(exp.tasks)}); negation needs a control that no task vector '
                     'was fine-tuned on')
   scored = exp.tasks + [control]
-  pretrained = {t: exp.evaluator('full').accuracy(exp.theta0, exp.theta0, exp.head(t),
-                                                  exp.task(t).test) for t in scored}
+  pretrained = exp.evaluator('full').accuracies(
+      exp.theta0, exp.theta0, {t: (exp.head(t), exp.task(t).test) for t in scored})
   results = {'tasks': exp.tasks, 'control_task': control, 'regimes': {}}
   for regime in regimes:
     results['regimes'][regime] = evaluate_regime(exp, regime, control, pretrained, pairs)

@@ -69,7 +69,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
                           loss_fn=head_lib.frozen_head_loss(regime.training_encoder(apply_fn),
                                                             config.head.logit_scale),
                           params=initial, trainable=regime.trainable(initial),
-                          consts={'theta0': theta0, 'head': head}, data=train_data,
+                          consts={'theta0': theta0, 'head': head_lib.padded(head)}, data=train_data,
                           workdir=directory, mesh=experiment.mesh(config),
                           sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
   vector = regime.task_vector(theta0, finetuned, task=task_name)

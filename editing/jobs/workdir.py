@@ -76,8 +76,9 @@ def safety_dir(workdir: str) -> str:
 def use_compilation_cache(workdir: str) -> None:
   """Keeps compiled programs in <workdir>/.jax_cache.
 
-  Each fine-tune builds its own jitted step; tasks with the same number of classes compile to
-  the same program, so only the first of them pays for compilation, and reruns pay for none.
+  Each fine-tune builds its own jitted step; with heads padded to a common number of classes
+  (`head.padded`) every task of a regime compiles to the same program, so only the first pays
+  for compilation, and reruns pay for none.
   """
   jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
                                                                               '.jax_cache')))

@@ -11,6 +11,9 @@ Centring matters: the raw class means of one task are nearly parallel (cosine �
 suite), so their logits would barely differ and fine-tuning through them would stall; the
 centred directions keep the nearest-mean ranking up to a per-class scale and spread the logits.
 Heads are never trained, so task vectors cover the backbone only.
+
+A head may carry zero rows, which are no class: their logit is −∞. Fine-tuning pads every task's
+head so (`padded`), so that tasks of any number of classes share one compiled step.
 """
 
 import jax
@@ -37,9 +40,22 @@ def fit_prototypes(features: np.ndarray, labels: np.ndarray, num_classes: int) -
   return np.asarray(_normalize(jnp.asarray(means - means.mean(axis=0))))
 
 
+# Fine-tuning pads heads to a multiple of this many classes.
+CLASS_MULTIPLE = 16
+
+
 def logits(features: jax.Array, head: jax.Array, logit_scale: float) -> jax.Array:
-  """logit_scale · cos(f(x), w_c) for every class c (rows of `head` need not be unit norm)."""
-  return logit_scale * _normalize(features.astype(jnp.float32)) @ _normalize(head).T
+  """logit_scale · cos(f(x), w_c) for every class c (rows of `head` need not be unit norm);
+  −∞ for a zero row (padding)."""
+  scores = logit_scale * _normalize(features.astype(jnp.float32)) @ _normalize(head).T
+  return jnp.where(jnp.any(head != 0, axis=-1), scores, -jnp.inf)
+
+
+def padded(head: jax.Array, multiple: int = CLASS_MULTIPLE) -> jax.Array:
+  """`head` with zero rows appended up to a multiple of `multiple` classes: the same
+  predictions and cross-entropy, in a shape that tasks of other class counts share."""
+  rows = -len(head) % multiple
+  return jnp.concatenate([jnp.asarray(head), jnp.zeros((rows,) + head.shape[1:], head.dtype)])
 
 
 def logits_fn(encoder, theta0, head: jax.Array, logit_scale: float):

@@ -125,7 +125,7 @@ def merge_regime(exp: experiment.Experiment, regime: str, methods: list[str]) ->
   vectors, evaluator = list(exp.vectors(regime).values()), exp.evaluator(regime)
   data, heads = exp.data(), exp.heads()
   finetuned = evaluate.finetuned_accuracy(evaluator, theta0, vectors, heads, data)
-  pretrained = {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test) for t in names}
+  pretrained = evaluator.accuracies(theta0, theta0, {t: (heads[t], data[t].test) for t in names})
   inputs = MergeInputs(config, experiment.regime(config, regime).encoder(exp.apply_fn), theta0,
                        exp.apply_fn, heads, data)
   results = {}

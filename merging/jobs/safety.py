@@ -64,12 +64,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   target = config.poison.target
 
   def attack_success(params, trigger_name, tasks=names):
-    return {t: evaluate.attack_success_rate(
-        evaluator.predictions(theta0, params, heads[t], triggered[trigger_name][t]),
-        data[t].test.labels, target) for t in tasks}
+    predicted = evaluator.predict(theta0, params,
+                                  {t: (heads[t], triggered[trigger_name][t]) for t in tasks})
+    return {t: evaluate.attack_success_rate(predicted[t], data[t].test.labels, target)
+            for t in tasks}
 
-  pretrained = {'test': {t: evaluator.accuracy(theta0, theta0, heads[t], data[t].test)
-                         for t in names},
+  pretrained = {'test': evaluator.accuracies(theta0, theta0,
+                                             {t: (heads[t], data[t].test) for t in names}),
                 'asr': {g: attack_success(theta0, g) for g in trigger_names}}
   # All fine-tunes first, then the scenarios, each over every seed: an interrupted run has
   # whole scenarios done, and a rerun picks up where it stopped.
