@@ -11,6 +11,8 @@
   <workdir>/merge/<regime>/                results.json, report.md, and per method
                                            <method>/result.json and <method>/params (orbax)
   <workdir>/safety/                        the backdoor experiment (merging.jobs.safety)
+  <workdir>/recipe_search/<regime>/lr<rate>_steps<n>/<task>/   one point of the recipe search;
+                                           results.json every point and the choices
   <workdir>/benchmark.json                 launch.benchmark's measurements
   <workdir>/.jax_cache/                    compiled programs, shared by the jobs
 
@@ -30,7 +32,7 @@ from editing.errors import UserError
 # The files a fine-tuning directory ends with.
 TASK_VECTOR = 'task_vector.safetensors'
 UPDATE_MASK = 'update_mask.safetensors'
-_JOB_CONFIG = 'job_config.json'
+JOB_CONFIG = 'job_config.json'
 
 
 def pretrain_dir(workdir: str) -> str:
@@ -99,7 +101,7 @@ def check_job_config(directory: str, sections: dict[str, Any]) -> None:
 
 def recorded_as(directory: str, sections: dict[str, Any]) -> bool:
   """Whether `directory` records exactly these settings (nothing is written)."""
-  path = os.path.join(directory, _JOB_CONFIG)
+  path = os.path.join(directory, JOB_CONFIG)
   if not os.path.exists(path):
     return False
   with open(path) as f:
@@ -116,7 +118,7 @@ def reusable_result(directory: str, sections: dict[str, Any], result_file: str) 
   if _differing_setting(directory, sections):
     if os.path.exists(result_file):
       os.remove(result_file)
-    os.remove(os.path.join(directory, _JOB_CONFIG))
+    os.remove(os.path.join(directory, JOB_CONFIG))
     _differing_setting(directory, sections)
   return os.path.exists(result_file)
 
@@ -126,7 +128,7 @@ def _differing_setting(directory: str, sections: dict[str, Any]) -> tuple | None
 
   Records `sections` in <directory>/job_config.json when nothing is recorded yet.
   """
-  path = os.path.join(directory, _JOB_CONFIG)
+  path = os.path.join(directory, JOB_CONFIG)
   current = json.loads(json.dumps(sections, sort_keys=True, default=str))
   if not os.path.exists(path):
     atomic.write_json(path, current)

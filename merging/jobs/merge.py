@@ -38,6 +38,7 @@ from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
+from editing.progress import Progress
 from editing.regimes.lora import LoRA
 import merging
 from merging import common
@@ -269,7 +270,9 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
   grid = (evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
           else [1.0])
   best = None
-  for settings in hyperparameter_grid(config, method_name):
+  settings_grid = hyperparameter_grid(config, method_name)
+  progress = Progress(f'{name} sweep', len(settings_grid), unit='settings')
+  for settings in settings_grid:
     logging.info('%s: merging with %s', name, settings or 'defaults')
     vector = method.merge(vectors, **reads, **settings)
     # A NaN would survive even λ = 0 (0·NaN): refuse it before it is applied or saved.
@@ -290,6 +293,7 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
       score = max(p['normalized_val'] for p in addition['curve'])
       if best is None or score > best[0]:
         best = (score, settings, addition, candidate, depth_scaling)
+    progress.advance()
   score, settings, addition, vector, depth_scaling = best
   logging.info('%s: mean test %.3f (normalized %.3f) with %s at lambda %s', name,
                addition['mean_test'], addition['mean_normalized_test'], settings,

@@ -33,6 +33,7 @@ from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
 from editing.jobs import workdir as workdir_lib
+from editing.progress import Progress
 from merging.jobs import merge
 from merging.jobs import report
 
@@ -91,6 +92,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   summary = {'regime': regime.name, 'tasks': names, 'victims': victims, 'counts': counts,
              'triggers': trigger_names, 'target': target, 'seeds': seeds, 'methods': methods,
              'pretrained': pretrained, 'fine_tunes': fine_tunes, 'merges': []}
+  progress = Progress('safety merges', len(trigger_names) * len(counts) * len(seeds)
+                      * len(methods), unit='merges')
   for g in trigger_names:
     for count in counts:
       poisoned = victims[:count]
@@ -107,6 +110,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                      directory, functools.partial(attack_success,
                                                                   trigger_name=g), poisoned)
           summary['merges'].append({'seed': seed, 'trigger': g, 'poisoned': poisoned, **result})
+          progress.advance()
       # The reports so far, rewritten after every scenario: a stopped run still has them.
       _write_reports(summary, workdir_lib.safety_dir(workdir))
   print(report.safety_table(summary))
