@@ -1,6 +1,6 @@
 r"""The built-in suite end to end: pretrain, fine-tune every task, add and negate task vectors.
 
-  python -m launch.quickstart                                  # about 6 minutes on 2 CPU cores
+  python -m launch.quickstart                                  # about 8.5 minutes on 2 CPU cores
   python -m launch.quickstart --config=configs/quickstart.py:tiny --workdir=/tmp/tiny
   python -m launch.quickstart --config.finetune.steps=300 --workdir=workdir/longer
   python -m launch.quickstart --config.regimes=full,attention_only,linearized,talos
@@ -103,7 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # task, so its validation set is capped (the pretraining corpus's own is much larger).
   # Weight disentanglement ξ runs on task pairs 'a:b,c:d' (empty: consecutive pairs of
   # suite.tasks) over linspace(-limit, limit, points)², on the first `size` test images of each.
-  # These sizes keep the quickstart's evaluation near two minutes on two CPU cores
+  # These sizes keep the quickstart's evaluation near three minutes on two CPU cores
   # (docs/speed.md): a 0.1 step for α, ξ every 0.5 on 128 images per task (two tasks' images
   # fill one batch of 256).
   config.eval = ml_collections.ConfigDict(dict(
