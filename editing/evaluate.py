@@ -20,11 +20,11 @@ import numpy as np
 
 from editing import batching
 from editing import distributed
-from editing.progress import Progress
 from editing import sharding as sharding_lib
 from editing.data.suite import Dataset
 from editing.errors import UserError
 from editing.models import head as head_lib
+from editing.progress import Progress
 from editing.regimes.base import Encoder
 from editing.task_vector import TaskVector
 
@@ -44,13 +44,13 @@ class Evaluator:
   The encoder is the only compiled program: the datasets scored under one edit are read as one
   sequence of full batches (so eight validation sets of 500 fill batches of 512 instead of
   padding eight), the last batch padded only to the halving of the batch size that holds it,
-  and each head classifies its own dataset's features on the host. Heads of any number of
-  classes thus share the encoder's compiles.
+  and each head classifies its own dataset's features on the host (by cosine: no logit scale,
+  which changes no prediction). Heads of any number of classes thus share the encoder's
+  compiles.
   """
 
-  def __init__(self, encoder: Encoder, *, logit_scale: float, mesh: jax.sharding.Mesh,
-               batch_size: int, sharding_rules=sharding_lib.REPLICATED_RULES):
-    del logit_scale  # a positive scale of cosine logits changes no prediction
+  def __init__(self, encoder: Encoder, *, mesh: jax.sharding.Mesh, batch_size: int,
+               sharding_rules=sharding_lib.REPLICATED_RULES):
     sharding_lib.check_batch_size(mesh, batch_size, 'eval batch_size')
     self._batch_size = batch_size
     self._mesh, self._rules = mesh, sharding_rules
@@ -118,6 +118,7 @@ class _Chain:
   def __init__(self, datasets: Sequence[Dataset]):
     self._datasets = list(datasets)
     self._ends = np.cumsum([len(d) for d in datasets])
+    self._starts = self._ends - [len(d) for d in datasets]
 
   def __len__(self) -> int:
     return int(self._ends[-1]) if len(self._ends) else 0
@@ -125,14 +126,15 @@ class _Chain:
   def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     indices = np.asarray(indices)
     which = np.searchsorted(self._ends, indices, side='right')
-    starts = np.concatenate([[0], self._ends[:-1]])
-    parts = [self._datasets[d].batch(indices[which == d] - starts[d])
-             for d in np.unique(which)]
-    images = np.concatenate([x for x, _ in parts])
-    labels = np.concatenate([y for _, y in parts])
-    # Rows come out grouped by dataset; `indices` may not be (padding repeats row 0).
-    order = np.argsort(np.argsort(which, kind='stable'), kind='stable')
-    return images[order], labels[order]
+    images = labels = None
+    for d in np.unique(which):
+      rows = which == d
+      x, y = self._datasets[d].batch(indices[rows] - self._starts[d])
+      if images is None:
+        images = np.empty((len(indices),) + x.shape[1:], x.dtype)
+        labels = np.empty((len(indices),) + y.shape[1:], y.dtype)
+      images[rows], labels[rows] = x, y
+    return images, labels
 
 
 def finetuned_accuracy(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[TaskVector],

@@ -78,7 +78,7 @@ def test_evaluator_accuracy_handles_a_partial_last_batch():
   images[labels == 1, ..., 2] = 200
   labels[:5] = 1 - labels[:5]  # five wrong labels
   encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
-  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+  evaluator = evaluate.Evaluator(encoder, mesh=sharding.make_mesh(1),
                                  batch_size=16)
   head = jnp.eye(3)[jnp.array([0, 2])]
   params = {'scale': jnp.float32(1.0)}
@@ -91,7 +91,7 @@ def test_evaluator_accuracy_handles_a_partial_last_batch():
 
 def test_sweeping_alpha_datasets_and_heads_compiles_once():
   encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
-  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+  evaluator = evaluate.Evaluator(encoder, mesh=sharding.make_mesh(1),
                                  batch_size=8)
   theta0 = {'scale': jnp.float32(1.0)}
   vector = TaskVector({'scale': jnp.float32(0.5)}, ('t',), 'full', 'b')
@@ -109,7 +109,7 @@ def test_sweeping_alpha_datasets_and_heads_compiles_once():
 def colour_model(batch_size=16):
   """An encoder whose embedding is an image's mean colour, and random images with labels."""
   encoder = lambda theta0, params, x: x.mean(axis=(1, 2)) * params['scale']
-  evaluator = evaluate.Evaluator(encoder, logit_scale=10.0, mesh=sharding.make_mesh(1),
+  evaluator = evaluate.Evaluator(encoder, mesh=sharding.make_mesh(1),
                                  batch_size=batch_size)
   rng = np.random.default_rng(3)
   datasets = [Dataset(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
@@ -155,7 +155,7 @@ def two_task_toy(entangled: bool):
     a, b = params['a'], params['b'] + (params['a'] if entangled else 0.0)
     return jnp.stack([m + a, -(m + a) + 0.01, m + b, -(m + b) + 0.01], axis=-1)
 
-  evaluator = evaluate.Evaluator(encoder, logit_scale=1.0, mesh=sharding.make_mesh(1),
+  evaluator = evaluate.Evaluator(encoder, mesh=sharding.make_mesh(1),
                                  batch_size=16)
   heads = (jnp.eye(4)[:2], jnp.eye(4)[2:])
   theta0 = {'a': jnp.float32(0.0), 'b': jnp.float32(0.0)}

@@ -106,7 +106,7 @@ head = jax.random.normal(jax.random.PRNGKey(2), (task.num_classes, config.model.
 out = {}
 for name, mesh, rules in [('one', sharding.make_mesh(1), sharding.logical_rules('dp')),
                           ('fsdp', sharding.make_mesh(8, fsdp=4), sharding.logical_rules('fsdp'))]:
-  evaluator = evaluate.Evaluator(regime('full').encoder(apply_fn), logit_scale=10.0, mesh=mesh,
+  evaluator = evaluate.Evaluator(regime('full').encoder(apply_fn), mesh=mesh,
                                  batch_size=16, sharding_rules=rules)
   params = evaluator.edit(theta0, vector, 0.7)
   out[name] = {'features': evaluator.features(theta0, params, task.test).tolist(),

@@ -101,8 +101,7 @@ def main():
     # One jitted program: on CPU processes (gloo), the same merge dispatched eagerly, op by op,
     # deadlocked after an orbax save (jax 0.10.2).
     merged = jax.jit(lambda vs: ties.merge(vs, density=0.2, scope='global'))(placed)
-    evaluator = evaluate.Evaluator(encoder, logit_scale=config.head.logit_scale, mesh=mesh,
-                                   batch_size=16, sharding_rules=rules)
+    evaluator = evaluate.Evaluator(encoder, mesh=mesh, batch_size=16, sharding_rules=rules)
     predictions = evaluator.predictions(theta0, evaluator.edit(theta0, merged, 0.01), head,
                                         task.test)
     merged = tree_lib.flatten(distributed.to_host(merged.delta))

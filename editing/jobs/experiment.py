@@ -231,8 +231,7 @@ def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],
 
 def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> evaluate.Evaluator:
   return evaluate.Evaluator(regimes.get(regime_name).encoder(apply_fn),
-                            logit_scale=config.head.logit_scale, mesh=mesh(config),
-                            batch_size=config.eval.batch_size,
+                            mesh=mesh(config), batch_size=config.eval.batch_size,
                             sharding_rules=sharding_rules(config))
 
 
