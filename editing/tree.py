@@ -7,15 +7,15 @@ rules pick leaves, and the same names key safetensors files.
 """
 
 import hashlib
-import math
 import re
 import zlib
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import cuts
 from editing import distributed
 from editing.errors import UserError
 
@@ -137,9 +137,9 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     raise UserError(f'scope must be one of {SCOPES}, got {scope!r}')
 
   leaves, treedef = jax.tree.flatten(scores)
-  # Traced (under jit), XLA ranks by a sort. Concrete arrays are ranked on the host in numpy:
-  # its linear selection finds the same k-th value ~25× faster on a CPU, and the masks cost
-  # no compile per shape. Either way the masks are the same bits (NaN ranking above all).
+  # Traced (under jit), XLA ranks by a sort. Concrete arrays are ranked on the host by
+  # `editing.cuts`, the streamed merges' engine: no compile per shape, and faster than the sort
+  # on a CPU. Either way the masks are the same bits (NaN ranking above all).
   xp = jnp if any(isinstance(s, jax.core.Tracer) for s in leaves) else np
   if xp is np:
     leaves = [distributed.to_host(s) for s in leaves]
@@ -149,7 +149,7 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     if kept <= 0 or kept >= values.size:
       return xp.full(values.shape, kept > 0)
     if xp is np:
-      return cut_mask(values, largest_cut(values, kept))
+      return cuts.cut_mask(values, cuts.largest_cut(values, kept))
     # The kept-th largest value, then every larger one and the earliest of those equal to it:
     # what a stable descending argsort keeps, for a sort of the values alone.
     threshold = jnp.sort(values)[values.size - kept]
@@ -165,146 +165,6 @@ def top_k(scores: PyTree, count: Callable[[int], int], scope: str = 'global') ->
     pieces = xp.split(kept, np.cumsum([np.size(s) for s in leaves])[:-1].tolist())
     masks = [p.reshape(np.shape(s)) for p, s in zip(pieces, leaves)]
   return jax.tree.unflatten(treedef, masks)
-
-
-class Cut(NamedTuple):
-  """A top-k mask of a 1-D array in two numbers: the entries above `threshold`, and those equal
-  to it up to index `last` (ties to the earlier entry). It is evaluated on any slice of the
-  array (`cut_mask`), so a tensor ranked once is masked a block at a time."""
-
-  threshold: float
-  last: int
-
-
-def largest_cut(values: np.ndarray, kept: int) -> Cut:
-  """The cut of the `kept` largest of a 1-D numpy array, exactly as a stable descending
-  argsort keeps them (none for kept ≤ 0, every non-NaN entry for kept ≥ the size); NaN ranks
-  above everything (and, comparing false, is never kept).
-
-  Numpy's linear selection, on a large array over only the entries a sample brackets: a strided
-  sample (a prime stride, so no row length aligns with it) puts two bounds a few standard
-  errors either side of the kept-th largest; one pass counts the entries above the upper bound
-  and collects those between the bounds, and the selection runs among those alone. Exact
-  whatever the sample says: when the bounds miss (or NaNs are present), every entry is ranked.
-  """
-  n = values.size
-  fixed = fixed_cut(n, kept)
-  if fixed is not None:
-    return fixed
-  if n >= 1 << 20:
-    lower, upper = bracket(values[::_prime_at_least(n >> 16)][:, None], n, kept)
-    counted = Bracketed(0, [], [])
-    # In chunks that stay in the cache, whose masks are small enough to be reused, not faulted
-    # in page by page.
-    for start in range(0, n, _CHUNK):
-      counted = counted.add(values[start:start + _CHUNK], start, lower, upper)
-      if counted is None:
-        break  # NaNs: only the full ranking places them
-    else:
-      found = counted.cut(kept)
-      if found is not None:
-        return found
-  threshold = np.partition(values, n - kept)[n - kept]
-  return cut_at(threshold.item(), values == threshold, kept - np.count_nonzero(values > threshold))
-
-
-_CHUNK = 1 << 18
-
-
-def fixed_cut(n: int, kept: int) -> Cut | None:
-  """The cut of the `kept` largest of n entries where it keeps none or all of them, whatever
-  their values; None where it depends on them."""
-  if kept <= 0:
-    return Cut(math.inf, -1)
-  if kept >= n:
-    return Cut(-math.inf, n - 1)
-  return None
-
-
-def cut_at(threshold: float, equal: np.ndarray, room: int) -> Cut:
-  """The cut keeping the entries above `threshold` and the first `room` of those equal to it
-  (`equal`, their mask in order)."""
-  ties = np.flatnonzero(equal)[:max(room, 0)]
-  return Cut(threshold, int(ties[-1]) if ties.size else -1)
-
-
-def bracket(sample: np.ndarray, n: int, kept: int) -> tuple[float, float]:
-  """Bounds either side of where the kept-th largest of n entries lies, from a sample of them
-  in clusters (one row each: entries drawn together, contiguous ones say): six standard errors
-  of the sampled share above it, estimated from the clusters' spread (so a sample of unlike
-  rows gets a wider bracket), and a rank for rounding."""
-  m, share = sample.size, kept / n
-  from_top = min(m, max(1, round(share * m)))
-  estimate = np.partition(sample.ravel(), m - from_top)[m - from_top]
-  per_cluster = np.mean(sample >= estimate, axis=1)
-  error = max(np.std(per_cluster) / math.sqrt(per_cluster.size),
-              math.sqrt(share * (1 - share) / m))
-  slack = 6 * error + 2 / m
-  low = math.floor((1 - share - slack) * m)
-  high = math.ceil((1 - share + slack) * m)
-  # A bound past the sample's ends is open: the entries beyond what the sample saw are inside.
-  lower, upper = np.partition(sample.ravel(), (max(low, 0), min(high, m - 1)))[
-      [max(low, 0), min(high, m - 1)]].tolist()
-  return (lower if low > 0 else -math.inf), (upper if high < m - 1 else math.inf)
-
-
-class Bracketed(NamedTuple):
-  """What a pass over an array, a chunk at a time, found of a bracket [lower, upper]: how many
-  entries lie above it, and the positions and values of those inside it."""
-
-  above: int
-  where: list
-  inside: list
-
-  def add(self, chunk: np.ndarray, start: int, lower: float, upper: float) -> 'Bracketed | None':
-    """With the entries [start, start + len) of the array; None if the chunk holds a NaN."""
-    not_above = chunk <= upper
-    over = np.count_nonzero(chunk > upper)
-    if over + np.count_nonzero(not_above) != chunk.size:
-      return None
-    where = np.flatnonzero(not_above & (chunk >= lower))
-    return self.extend(over, where + start, chunk[where])
-
-  def extend(self, above: int, where: np.ndarray, inside: np.ndarray) -> 'Bracketed':
-    """With `above` more entries above the bracket, and more inside it."""
-    return Bracketed(self.above + above, self.where + [where], self.inside + [inside])
-
-  def join(self, later: 'Bracketed') -> 'Bracketed':
-    """With what a pass over the later part of the array found."""
-    return Bracketed(self.above + later.above, self.where + later.where,
-                     self.inside + later.inside)
-
-  def cut(self, kept: int) -> Cut | None:
-    """The cut of the kept largest, if the kept-th largest lies inside the bracket."""
-    if self.above >= kept:
-      return None
-    inside = np.concatenate(self.inside)
-    if self.above + inside.size < kept:
-      return None
-    rank = inside.size - (kept - self.above)
-    threshold = np.partition(inside, rank)[rank]
-    # The kept-th largest is inside, so at least one entry equal to it is kept.
-    cut = cut_at(threshold.item(), inside == threshold,
-                 kept - self.above - np.count_nonzero(inside > threshold))
-    return Cut(cut.threshold, int(np.concatenate(self.where)[cut.last]))
-
-
-def _prime_at_least(k: int) -> int:
-  k = max(k, 2)
-  while any(k % d == 0 for d in range(2, math.isqrt(k) + 1)):
-    k += 1
-  return k
-
-
-def cut_mask(values, cut: Cut):
-  """The mask `cut` keeps of `values`: numpy on the host, or traced in jnp on a block of the
-  ranked array (with `cut.last` counted from the block's first entry)."""
-  above = values > cut.threshold
-  if isinstance(values, np.ndarray):
-    if cut.last >= 0:
-      above[np.flatnonzero(values[:cut.last + 1] == cut.threshold)] = True
-    return above
-  return above | ((values == cut.threshold) & (jnp.arange(values.size) <= cut.last))
 
 
 def fingerprint(tree: PyTree) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import merging
-from editing import tree as tree_lib
+from editing import cuts
 from editing.errors import UserError
 from editing.models import hf
 from merging import checkpoints
@@ -135,47 +135,46 @@ def test_tensors_merged_in_many_blocks_equal_the_in_memory_merge(tmp_path, monke
     np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
 
 
-def bracketed_small(monkeypatch) -> list:
-  """Blocks of 64 entries, and every tensor of 256 or more ranked by the brackets of 8 clusters
-  of 8; returns the list of what each bracketed pass found (None where a bracket missed)."""
+def ranked_by_blocks(monkeypatch) -> list:
+  """Blocks of 64 entries, and every tensor of 256 or more ranked by passes over its blocks;
+  returns the list of the chunk starts of each such ranking."""
   monkeypatch.setattr(pipeline, 'BLOCK', 64)
-  monkeypatch.setattr(ranking, '_SAMPLED', 256)
-  monkeypatch.setattr(ranking, '_CLUSTERS', 8)
-  monkeypatch.setattr(ranking, '_CLUSTER', 8)
-  found = []
-  original = tree_lib.Bracketed.cut
-  monkeypatch.setattr(tree_lib.Bracketed, 'cut',
-                      lambda self, kept: found.append(original(self, kept)) or found[-1])
-  return found
+  monkeypatch.setattr(ranking, '_HELD', 256)
+  starts = []
+  original = cuts.whole_cut
+  monkeypatch.setattr(cuts, 'whole_cut',
+                      lambda selection, at, chunk: starts.append(list(at)) or original(
+                          selection, at, chunk))
+  return starts
 
 
 @pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('name', ['ties', 'ties_per_model', 'breadcrumbs'])
-def test_tensors_ranked_in_one_bracketed_pass_equal_the_in_memory_merge(tmp_path, monkeypatch,
-                                                                        name, dtype):
-  """Every tensor of 256 entries or more ranked by a sample's brackets and one pass over its
-  blocks (falling back to the full ranking where a bracket misses): the same masks."""
-  found = bracketed_small(monkeypatch)
+def test_tensors_ranked_a_block_at_a_time_equal_the_in_memory_merge(tmp_path, monkeypatch,
+                                                                    name, dtype):
+  """Every tensor of 256 entries or more ranked by a select whose passes read it a block at a
+  time: the same masks."""
+  starts = ranked_by_blocks(monkeypatch)
   base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
   out = str(tmp_path / 'out')
   checkpoints.merge(base, models, out, PLANS[name])
   streamed = reference.read_output(out)
   for n, x in reference.in_memory(base, models, PLANS[name]).items():
     np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
-  assert any(c is not None for c in found), 'no tensor was ranked by its brackets'
+  assert any(len(s) > 1 for s in starts), 'no tensor was ranked a block at a time'
 
 
 def test_a_count_keeping_none_or_all_reads_no_magnitude(tmp_path, monkeypatch):
-  """Breadcrumbs dropping none of the smallest brackets only its top count; TIES keeping
+  """Breadcrumbs dropping none of the smallest ranks only its top count; TIES keeping
   everything ranks nothing: the same bits as the in-memory merge either way."""
-  bracketed = bracketed_small(monkeypatch)
+  starts = ranked_by_blocks(monkeypatch)
   base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
   breadcrumbs = checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.0})
   checkpoints.merge(base, models, str(tmp_path / 'breadcrumbs'), breadcrumbs)
   streamed = reference.read_output(str(tmp_path / 'breadcrumbs'))
   for n, x in reference.in_memory(base, models, breadcrumbs).items():
     np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
-  assert any(c is not None for c in bracketed), 'no tensor was ranked by its brackets'
+  assert any(len(s) > 1 for s in starts), 'no tensor was ranked a block at a time'
 
   def unread(*args):
     raise AssertionError('magnitudes read for a count that keeps every entry')

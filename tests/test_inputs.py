@@ -95,33 +95,24 @@ def other_model_in_pretrain(workdir):
 
 def tiny(**overrides) -> ml_collections.ConfigDict:
   """The tiny merge config (a superset of every job's) for the full regime, with overrides
-  {'section.key': value}."""
+  {'section.key': value} or {'section': a whole section}."""
   config = merge_config.get_config('tiny')
   config.regimes = 'full'
   for key, value in overrides.items():
-    section, name = key.split('.')
-    config[section][name] = value
-  return config
-
-
-def with_ties_section(**settings) -> ml_collections.ConfigDict:
-  config = tiny()
-  config.ties = ml_collections.ConfigDict(settings)
+    if '.' in key:
+      section, name = key.split('.')
+      config[section][name] = value
+    else:
+      config[key] = value
   return config
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
   name: str
-  corrupt: Callable[[str], None]  # workdir -> None, applied before the snapshot
   call: Callable[[str], object]  # workdir -> the job call expected to fail
   message: str  # a regex the error must match
-
-
-def fine_tune_digits(overrides: dict) -> Callable[[str], object]:
-  """The call that fine-tunes digits (attention-only) under the tiny config with `overrides`."""
-  return lambda workdir: finetune.run(tiny(**overrides), workdir, 'digits',
-                                      experiment.regime(tiny(), 'attention_only'))
+  corrupt: Callable[[str], None]  # workdir -> None, applied before the snapshot
 
 
 def vector_file(task):
@@ -130,82 +121,85 @@ def vector_file(task):
 
 CASES = (
     Case('NaN task vector at evaluate',
-         lambda w: rewrite_vector(w, 'colour', set_value(np.nan)),
          lambda w: evaluate.run(tiny(), w),
-         r'full/colour/task_vector.safetensors: blocks_1/mlp_fc/kernel holds non-finite'),
+         r'full/colour/task_vector.safetensors: blocks_1/mlp_fc/kernel holds non-finite',
+         corrupt=lambda w: rewrite_vector(w, 'colour', set_value(np.nan))),
     Case('Inf task vector at merge',
-         lambda w: rewrite_vector(w, 'size', set_value(np.inf)),
          lambda w: merge.run(tiny(), w),
-         r'full/size/task_vector.safetensors: blocks_1/mlp_fc/kernel holds non-finite'),
+         r'full/size/task_vector.safetensors: blocks_1/mlp_fc/kernel holds non-finite',
+         corrupt=lambda w: rewrite_vector(w, 'size', set_value(np.inf))),
     Case('truncated task vector',
-         lambda w: truncate(vector_file('digits')(w)),
          lambda w: evaluate.run(tiny(), w),
-         r'digits/task_vector.safetensors is not a readable safetensors file'),
+         r'digits/task_vector.safetensors is not a readable safetensors file',
+         corrupt=lambda w: truncate(vector_file('digits')(w))),
     Case('pickle bytes in a .safetensors file',
-         lambda w: replace_with_pickle(vector_file('digits')(w)),
          lambda w: merge.run(tiny(), w),
-         r'digits/task_vector.safetensors is a pickle.*never unpickled.*convert'),
+         r'digits/task_vector.safetensors is a pickle.*never unpickled.*convert',
+         corrupt=lambda w: replace_with_pickle(vector_file('digits')(w))),
     Case('foreign θ0 at evaluate',
-         foreign_theta0,
          lambda w: evaluate.run(tiny(), w),
-         r'digits/task_vector.safetensors was fine-tuned from the backbone with fingerprint'),
+         r'digits/task_vector.safetensors was fine-tuned from the backbone with fingerprint',
+         corrupt=foreign_theta0),
     Case('foreign θ0 at merge',
-         foreign_theta0,
          lambda w: merge.run(tiny(), w),
-         r'was fine-tuned from the backbone with fingerprint'),
-    Case('changed suite seed at evaluate',
-         lambda w: None,
-         lambda w: evaluate.run(tiny(**{'suite.seed': 1}), w),
-         r'evaluation was made with other settings \(suite.seed: 0 then, 1 now\)'),
-    Case('zero fine-tuning steps',
-         lambda w: None,
-         fine_tune_digits({'finetune.steps': 0}),
-         r'config.finetune.steps = 0: must be an integer ≥ 1'),
-    Case('negative fine-tuning steps',
-         lambda w: None,
-         fine_tune_digits({'finetune.steps': -5}),
-         r'config.finetune.steps = -5: must be an integer ≥ 1'),
-    Case('a poison rate above 1',
-         lambda w: None,
-         fine_tune_digits({'poison.rate': 1.5, 'poison.tasks': 'digits'}),
-         r'config.poison.rate = 1.5: must be a number in \[0, 1\]'),
+         r'was fine-tuned from the backbone with fingerprint',
+         corrupt=foreign_theta0),
     Case('a backbone file of another model',
-         other_model_in_pretrain,
          lambda w: pretrain.run(tiny(), w),
-         r'params.safetensors holds a backbone of model .*width.: 64'),
-    Case('unknown merge setting',
-         lambda w: None,
-         lambda w: merge.run(with_ties_section(k=(0.2,)), w),
-         r'config.ties.k is not a setting; the settings: \[.density.'),
-    Case('an internal argument given as a merge setting',
-         lambda w: None,
-         lambda w: merge.run(with_ties_section(keep='foo'), w),
-         r'config.ties.keep is not a setting'),
-    Case('a density out of its declared range',
-         lambda w: None,
-         lambda w: merge.run(tiny(**{'ties.density': 0.0}), w),
-         r'config.ties.density = 0.0: must be a number in \(0, 1\]'),
-    Case('a backbone of another model at finetune',
-         lambda w: None,
-         fine_tune_digits({'model.width': 48}),
-         r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
-    Case('a backbone of another model at evaluate',
-         lambda w: None,
-         lambda w: evaluate.run(tiny(**{'model.width': 48}), w),
-         r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
+         r'params.safetensors holds a backbone of model .*width.: 64',
+         corrupt=other_model_in_pretrain),
 )
+
+
+JOBS = {
+    'evaluate': evaluate.run,
+    'merge': merge.run,
+    'finetune': lambda config, workdir: finetune.run(
+        config, workdir, 'digits', experiment.regime(tiny(), 'attention_only')),
+}
+
+# (the job, the config's overrides, a regex the error must match)
+BAD_SETTINGS = (
+    ('evaluate', {'suite.seed': 1},
+     r'evaluation was made with other settings \(suite.seed: 0 then, 1 now\)'),
+    ('finetune', {'finetune.steps': 0}, r'config.finetune.steps = 0: must be an integer ≥ 1'),
+    ('finetune', {'finetune.steps': -5}, r'config.finetune.steps = -5: must be an integer ≥ 1'),
+    ('finetune', {'poison.rate': 1.5, 'poison.tasks': 'digits'},
+     r'config.poison.rate = 1.5: must be a number in \[0, 1\]'),
+    ('merge', {'ties': ml_collections.ConfigDict({'k': (0.2,)})},
+     r'config.ties.k is not a setting; the settings: \[.density.'),
+    ('merge', {'ties': ml_collections.ConfigDict({'keep': 'foo'})},
+     r'config.ties.keep is not a setting'),
+    ('merge', {'ties.density': 0.0}, r'config.ties.density = 0.0: must be a number in \(0, 1\]'),
+    ('finetune', {'model.width': 48},
+     r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
+    ('evaluate', {'model.width': 48},
+     r'params.safetensors is a backbone with model.width = \d+, but config.model.width = 48'),
+)
+
+
+def expect_named_and_nothing_written(source: str, workdir: str, corrupt, call, message: str):
+  shutil.copytree(source, workdir)
+  corrupt(workdir)
+  before = snapshot(workdir)
+  with pytest.raises((UserError, FileNotFoundError), match=message):
+    call(workdir)
+  assert snapshot(workdir) == before
 
 
 @pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
 def test_bad_input_is_named_and_nothing_is_written(case, tiny_run, tmp_path):
-  _, source, _ = tiny_run
-  workdir = str(tmp_path / 'workdir')
-  shutil.copytree(source, workdir)
-  case.corrupt(workdir)
-  before = snapshot(workdir)
-  with pytest.raises((UserError, FileNotFoundError), match=case.message):
-    case.call(workdir)
-  assert snapshot(workdir) == before
+  expect_named_and_nothing_written(tiny_run[1], str(tmp_path / 'workdir'), case.corrupt,
+                                   case.call, case.message)
+
+
+@pytest.mark.parametrize('job,overrides,message', BAD_SETTINGS,
+                         ids=[f'{job}:{",".join(o)}' for job, o, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_named_and_nothing_is_written(job, overrides, message, tiny_run,
+                                                       tmp_path):
+  expect_named_and_nothing_written(
+      tiny_run[1], str(tmp_path / 'workdir'), lambda workdir: None,
+      lambda workdir: JOBS[job](tiny(**overrides), workdir), message)
 
 
 def test_a_batch_the_devices_do_not_divide_spoils_nothing(tiny_run, tmp_path, run_python):

@@ -17,9 +17,9 @@ The package, by concern:
   plan.py      what a merge does (`Plan`), every setting checked before anything is read
   pipeline.py  blocks of `BLOCK` entries read into reused buffers, merged in threads ahead
                of the one being written, written as they come
-  ranking.py   what needs a tensor whole before its blocks merge: TIES' and Breadcrumbs' cuts,
-               per tensor (one bracketed pass for a large one) or over a whole model (TIES'
-               scope 'global': two counting passes)
+  ranking.py   what needs a tensor whole before its blocks merge: TIES' and Breadcrumbs' cuts
+               (`editing.cuts`), per tensor (a large one a block at a time) or over a whole
+               model (TIES' scope 'global')
   tensors.py   how a tensor is merged: a block by one jitted program (one program serves every
                block, so a model compiles once per method and dtype), or whole, op by op under
                its own name (DARE, whose draws span the tensor)

@@ -203,7 +203,7 @@ class Plan:
 
   @property
   def global_ties(self) -> bool:
-    """TIES (alone or after DARE) ranking each model's magnitudes as a whole: counting passes
+    """TIES (alone or after DARE) ranking each model's magnitudes as a whole: its select's passes
     come first."""
     ties_follows = self.method == 'ties' or (self.method == 'dare' and
                                              self.settings['then'] == 'ties')

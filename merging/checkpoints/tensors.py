@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import merging
+from editing import cuts
 from editing import sharding
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -72,7 +73,7 @@ class TensorMerge:
       keep = []
       for model_ranking, vector in zip(self.ranking.rankings, vectors):
         ranked = np.abs(model_ranking.ranked(name, vector.delta[name])).ravel()
-        keep.append({name: tree_lib.cut_mask(ranked, model_ranking.cut(name, ranked))
+        keep.append({name: cuts.cut_mask(ranked, model_ranking.cut(name, ranked))
                      .reshape(shape)})
     edited = edit(plan, theta0, vectors, self.key, keep)[name]
     return self._checked(name, np.asarray(edited).astype(plan.output_dtype(base.dtype),
@@ -87,16 +88,16 @@ class TensorMerge:
     buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK, state['dtype'])
     if not self.plan.allow_nonfinite:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
-    cuts = None
+    block_cuts = None
     if 'cuts' in state:
-      cuts = [tuple(tree_lib.Cut(np.float32(c.threshold),
-                                 np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
-                    for c in model_cuts) for model_cuts in state['cuts']]
+      block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
+                                   np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
+                          for c in model_cuts) for model_cuts in state['cuts']]
     # On one CPU device the program reads the aligned buffers in place; np.asarray waits for
     # it, after which this thread may read into them again.
     inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
               else buffers)
-    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], cuts))
+    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts))
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
@@ -125,17 +126,18 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str], finite: 
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list, cuts: list | None) -> jax.Array:
+def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
+                block_cuts: list | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
   is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, the masks a method
   ranks drawn from their cuts (relative to the block)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = None
-  if cuts is not None:
+  if block_cuts is not None:
     keep = []
-    for vector, model_cuts in zip(vectors, cuts):
-      masks = [tree_lib.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
+    for vector, model_cuts in zip(vectors, block_cuts):
+      masks = [cuts.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
       keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
   return edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
 
