@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run on the CPU; multi-device tests start their own processes."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -37,12 +38,19 @@ TINY_REGIMES = ('full', 'talos')
 
 
 @pytest.fixture(scope='session', name='tiny_run')
-def tiny_run_fixture(tmp_path_factory):
+def tiny_run_fixture(tmp_path_factory, worker_id):
   """(config, workdir, results) of the quickstart on the tiny config in two regimes, run once
-  for every test that reads a finished workdir (copy it before changing anything in it)."""
+  for every test that reads a finished workdir (copy it before changing anything in it). The
+  pytest-xdist workers share it: the first to take the lock runs it, the others then rerun it
+  on the finished workdir, which reuses every fine-tune."""
   from configs import quickstart as quickstart_config  # pylint: disable=g-import-not-at-top
   from editing.jobs import quickstart  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path_factory.mktemp('quickstart'))
+  shared = tmp_path_factory.getbasetemp()
+  if worker_id != 'master':
+    shared = shared.parent  # the run's directory, above each worker's own
   config = quickstart_config.get_config('tiny')
   config.regimes = ','.join(TINY_REGIMES)
-  return config, workdir, quickstart.run(config, workdir)
+  workdir = str(shared / 'quickstart_tiny')
+  with open(shared / 'quickstart_tiny.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return config, workdir, quickstart.run(config, workdir)

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -182,12 +183,14 @@ def test_merges_export_to_a_model_transformers_loads(finished, tmp_path):
     np.testing.assert_array_equal(exported[path], np.asarray(leaf))
 
 
-def test_the_backdoor_experiment_runs_on_images_on_disk(setup, tmp_path):
-  config, _ = setup
+def test_the_backdoor_experiment_runs_on_images_on_disk(finished, tmp_path):
+  config, finished_workdir, _ = finished
   config = copy.deepcopy(config)
   config.regimes = 'full'
   config.safety.victims = 'alpha'
-  workdir = str(tmp_path)
+  # The converted CLIP, its zero-shot heads and the compiled programs of the finished run.
+  workdir = str(tmp_path / 'work')
+  shutil.copytree(finished_workdir, workdir)
   summary = safety.run(config, workdir)
   assert set(summary['fine_tunes'][0]) == {'clean/alpha', 'clean/beta', 'badnets/alpha'}
   # The pretrained model's clean accuracy and ASR, recomputed in numpy from its embeddings:
