@@ -11,7 +11,8 @@ chunks counts the entries above a range of keys and tallies, per chunk, the dist
 it; if the kept-th largest lies inside, those tallies say which key it is and how many of its
 ties each chunk holds, so that each chunk's cut is computed on its own. The range is the bucket
 of the kept-th largest key's top 16 bits, which a first pass finds by counting every entry's
-top 16 bits (a histogram of 2^16 counts, whatever the array's size): exact in two passes. Or,
+top 16 bits (a histogram of 2^16 counts, whatever the array's size; a float32 bucket holds at
+most 2^16 distinct keys, a float64 one as many as its entries): exact in two passes. Or,
 given a sample of the values, it is a few standard errors of the sampled share either side of
 the sample's kept-th largest: one pass, and where the counts say the range missed, the two
 passes run.
