@@ -40,6 +40,7 @@ from merging import lorm
 from merging import magmax
 from merging import model_stock
 from merging import multislerp
+from merging import nearswap
 from merging import nuslerp
 from merging import peft_combinations
 from merging import regmean
@@ -140,6 +141,7 @@ REGISTRY: dict[str, Method] = {
     'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL),
     'multislerp': Method(multislerp.merge, **_SPHERICAL),
     'karcher': Method(karcher.merge, **_SPHERICAL),
+    'nearswap': Method(nearswap.merge, vectors=1, scaled=False),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel; PEFT's
     # add_weighted_adapter combines their factors (merging/peft_combinations.py).
     'knots_ties': Method(knots.merge_ties, lambda_max=2.0, **_LOW_RANK),

@@ -89,6 +89,7 @@ PLANS = {
     'nuslerp': checkpoints.Plan('nuslerp', {'flatten': False}, weights=(1.0, 3.0)),
     'multislerp': checkpoints.Plan('multislerp', {}, weights=(1.0, 2.0, 1.0)),
     'karcher': checkpoints.Plan('karcher', {}),
+    'nearswap': checkpoints.Plan('nearswap', {'t': 0.01}),
 }
 
 

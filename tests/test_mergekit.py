@@ -104,6 +104,8 @@ dtype: bfloat16
      r'different values of density \(\[0.2, 0.4\]\); breadcrumbs takes one density'),
     ('merge_method: slerp\nbase_model: b\nmodels: [{model: a}]',
      'slerp requires parameters.t'),
+    ('merge_method: nearswap\nbase_model: b\nmodels: [{model: a}]',
+     'nearswap requires parameters.t'),
     ('merge_method: slerp\nbase_model: b\nparameters: {t: 0.5}\nmodels: [{model: a}, '
      '{model: c}]', 'slerp merges 1 model besides the base, got 2'),
     ('merge_method: dare_ties\nbase_model: b\nparameters: {rescale: false}\n'
@@ -145,6 +147,21 @@ DEFAULTS = {
     'multislerp': ('multislerp', {'task_space': True}),
     'karcher': ('karcher', {'max_iter': 10, 'tol': 1e-5, 'task_space': False}),
 }
+
+
+def test_nearswap_takes_its_threshold_and_one_model(tmp_path):
+  base, models = fixture(str(tmp_path))
+  config = read(tmp_path, f'merge_method: nearswap\nbase_model: {base}\nparameters: {{t: 0.01}}'
+                f'\nmodels: [{{model: {base}}}, {{model: {models[0]}}}]')
+  assert (config.method, config.nearswap.t, config.scale) == ('nearswap', 0.01, 1.0)
+  assert config.models == models[0]
+  zero = merge_checkpoints_config.get_config()
+  zero.mergekit = mergekit_yaml(tmp_path / 'zero.yaml', f'merge_method: nearswap\nbase_model: '
+                                f'{base}\nparameters: {{t: 0.0}}\nmodels: [{{model: {models[0]}}}]')
+  output = tmp_path / 'out'
+  with pytest.raises(UserError, match=r'nearswap.t = 0.0: must be a number in \(0, inf\)'):
+    checkpoints.run(zero, str(output))
+  assert not os.path.exists(output)
 
 
 def read(tmp_path, text):

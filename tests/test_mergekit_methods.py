@@ -221,6 +221,38 @@ def test_karcher_mean_of_two_is_the_midpoint_of_their_arc():
   np.testing.assert_allclose(out, 2.0 * np.array([1.0, 1.0]) / math.sqrt(2), rtol=1e-5)
 
 
+def nearswap_reference(t, v0, v1):
+  """mergekit's nearswap (merge_methods/nearswap.py), in numpy: v0 the base's weights."""
+  with np.errstate(divide='ignore', invalid='ignore'):
+    weight = t / np.abs(v0 - v1)
+  weight = np.clip(np.nan_to_num(weight, nan=1.0, posinf=1.0, neginf=1.0), 0.0, 1.0)
+  return weight * v1 + (1 - weight) * v0
+
+
+@pytest.mark.parametrize('t', [1e-3, 0.1, 0.3, 10.0])
+def test_nearswap_follows_mergekits_code(t):
+  vs = vectors(1)
+  vs[0].delta['b'][:2] = 0.0  # equal in both models: t/0, which mergekit makes a weight of 1
+  out = merged('nearswap', vs, t=t)
+  for p, x0 in THETA0.items():
+    expected = nearswap_reference(t, x0.astype(np.float64), x0 + deltas(vs)[0][p]) - x0
+    np.testing.assert_allclose(out[p], expected, rtol=1e-5, atol=1e-6, err_msg=p)
+
+
+def test_nearswap_takes_the_near_entries_whole_and_clips_the_far_ones_to_t():
+  vs = vectors(1)
+  t = 0.2
+  out = merged('nearswap', vs, t=t)
+  for p, tau in deltas(vs)[0].items():
+    near = np.abs(tau) <= t
+    assert near.any() and (~near).any()
+    np.testing.assert_array_equal(out[p][near], vs[0].delta[p][near])
+    np.testing.assert_allclose(out[p][~near], t * np.sign(tau[~near]), rtol=1e-6)
+  with pytest.raises(UserError, match='nearswap merges one fine-tuned model into the base; '
+                                      'got 2'):
+    merged('nearswap', vectors(2))
+
+
 def test_della_keep_probabilities_follow_the_rank_of_each_magnitude_in_its_row():
   rows = np.array([[0.3, -2.0, 0.1, 1.0], [5.0, 4.0, -3.0, 0.0]], np.float32)
   p = np.asarray(della.keep_probabilities(jnp.abs(rows), 0.5, 0.2))

@@ -145,6 +145,8 @@ def single_vector_output(name, vector):
   if name == 'breadcrumbs':  # per leaf, all but the top 1% and the bottom 89% of |τ|
     keep = references.keep_band(tau, 0.01, 0.89)
     return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
+  if name == 'nearswap':  # each entry's magnitude clipped to t = 1e-3, its sign kept
+    return {p: np.sign(t) * np.minimum(np.abs(t), np.float32(1e-3)) for p, t in tau.items()}
   if name == 'consensus':  # no entry is used by min_tasks = 2 tasks
     return {k: np.zeros_like(v) for k, v in tau.items()}
   raise AssertionError(name)

@@ -45,8 +45,9 @@ RECIPES = {
     'nuslerp_base': ('nuslerp', True, None, ['{weight: 1.0}', '{weight: 3.0}']),
     'multislerp': ('multislerp', True, None, ['{weight: 1.0}', '{weight: 2.0}', '{weight: 1.0}']),
     'karcher': ('karcher', False, None, None),
+    'nearswap': ('nearswap', True, '{t: 0.01}', None),
 }
-_ONE_MODEL = ('slerp',)
+_ONE_MODEL = ('slerp', 'nearswap')
 _TWO_MODELS = ('nuslerp',)
 
 
