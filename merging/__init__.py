@@ -25,6 +25,7 @@ from editing import regimes
 from editing import registry
 from editing import settings as settings_lib
 from merging import adamerging
+from merging import arcee_fusion
 from merging import averaging
 from merging import breadcrumbs
 from merging import consensus
@@ -142,6 +143,8 @@ REGISTRY: dict[str, Method] = {
     'multislerp': Method(multislerp.merge, **_SPHERICAL),
     'karcher': Method(karcher.merge, **_SPHERICAL),
     'nearswap': Method(nearswap.merge, vectors=1, scaled=False),
+    'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
+                           whole_tensor=True, elementwise=False),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel; PEFT's
     # add_weighted_adapter combines their factors (merging/peft_combinations.py).
     'knots_ties': Method(knots.merge_ties, lambda_max=2.0, **_LOW_RANK),

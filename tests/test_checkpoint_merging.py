@@ -90,6 +90,7 @@ PLANS = {
     'multislerp': checkpoints.Plan('multislerp', {}, weights=(1.0, 2.0, 1.0)),
     'karcher': checkpoints.Plan('karcher', {}),
     'nearswap': checkpoints.Plan('nearswap', {'t': 0.01}),
+    'arcee_fusion': checkpoints.Plan('arcee_fusion', {}),
 }
 
 

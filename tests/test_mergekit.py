@@ -93,8 +93,8 @@ dtype: bfloat16
 
 
 @pytest.mark.parametrize('text, message', [
-    ('merge_method: arcee_fusion\nbase_model: b\nmodels: [{model: a}]',
-     "merge_method 'arcee_fusion' is not supported"),
+    ('merge_method: arcee_fusion\nbase_model: b\nmodels: [{model: a}, {model: c}]',
+     'arcee_fusion merges 1 model besides the base, got 2'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a}]\nslices: []',
      'slices are supported here with merge_method passthrough only'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gama: 0.1}}]',
@@ -149,12 +149,15 @@ DEFAULTS = {
 }
 
 
-def test_nearswap_takes_its_threshold_and_one_model(tmp_path):
+def test_nearswap_and_arcee_fusion_take_one_model_and_nearswap_its_threshold(tmp_path):
   base, models = fixture(str(tmp_path))
   config = read(tmp_path, f'merge_method: nearswap\nbase_model: {base}\nparameters: {{t: 0.01}}'
                 f'\nmodels: [{{model: {base}}}, {{model: {models[0]}}}]')
   assert (config.method, config.nearswap.t, config.scale) == ('nearswap', 0.01, 1.0)
   assert config.models == models[0]
+  fusion = read(tmp_path, f'merge_method: arcee_fusion\nbase_model: {base}\n'
+                f'models: [{{model: {models[1]}}}]')
+  assert (fusion.method, fusion.models, fusion.scale) == ('arcee_fusion', models[1], 1.0)
   zero = merge_checkpoints_config.get_config()
   zero.mergekit = mergekit_yaml(tmp_path / 'zero.yaml', f'merge_method: nearswap\nbase_model: '
                                 f'{base}\nparameters: {{t: 0.0}}\nmodels: [{{model: {models[0]}}}]')

@@ -253,6 +253,41 @@ def test_nearswap_takes_the_near_entries_whole_and_clips_the_far_ones_to_t():
     merged('nearswap', vectors(2))
 
 
+def arcee_fusion_reference(v0, v1):
+  """mergekit's arcee_fusion (merge_methods/arcee_fusion.py) in numpy, on a tensor of at most
+  10^6 entries (which mergekit does not sample): v0 the base's weights, rows its last axis."""
+  def softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+  p, q = softmax(v1) + 1e-8, softmax(v0) + 1e-8
+  scores = np.abs(v1 - v0) * np.sum(p * np.log(p / q), axis=-1)[..., None]
+  ordered = np.sort(scores.reshape(-1))
+  q1, median, q3 = (ordered[int(q * (ordered.size - 1))] for q in (0.25, 0.5, 0.75))
+  return v0 + (v1 - v0) * (scores >= median + 1.5 * (q3 - q1))
+
+
+def test_arcee_fusion_follows_mergekits_code():
+  """Rows of 40 entries, so that each tensor has a few outliers of its importance; scale 2, so
+  that the rows' softmaxes move."""
+  rng = np.random.default_rng(3)
+  theta0 = {'w': rng.normal(size=(30, 40)).astype(np.float32),
+            'b': rng.normal(size=(40,)).astype(np.float32)}
+  vector = TaskVector({p: 2 * rng.standard_t(3, size=x.shape).astype(np.float32)
+                       for p, x in theta0.items()}, ('t0',), 'full', 'base')
+  out = merging.get('arcee_fusion').merge([vector], theta0=theta0).delta
+  for p, x0 in theta0.items():
+    tau = np.asarray(vector.delta[p])
+    expected = arcee_fusion_reference(x0.astype(np.float64), x0 + tau.astype(np.float64)) - x0
+    kept = np.asarray(out[p]) != 0
+    # Each entry is τ's or none: the mask decides, and it is mergekit's.
+    np.testing.assert_array_equal(np.asarray(out[p])[kept], tau[kept], err_msg=p)
+    np.testing.assert_array_equal(kept, expected != 0, err_msg=p)
+    assert 0 < kept.mean() < 0.5, (p, kept.mean())
+  with pytest.raises(UserError, match='arcee_fusion merges one fine-tuned model into the base; '
+                                      'got 2'):
+    merged('arcee_fusion', vectors(2))
+
+
 def test_della_keep_probabilities_follow_the_rank_of_each_magnitude_in_its_row():
   rows = np.array([[0.3, -2.0, 0.1, 1.0], [5.0, 4.0, -3.0, 0.0]], np.float32)
   p = np.asarray(della.keep_probabilities(jnp.abs(rows), 0.5, 0.2))

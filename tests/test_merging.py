@@ -188,6 +188,15 @@ def test_one_task_vector_in_gives_the_documented_output(name):
   if name.startswith('dam'):
     assert_dam_rescales_each_entry(name, merged, tau)
     return
+  if name == 'arcee_fusion':
+    # Its importance outliers (against mergekit's code: tests/test_mergekit_methods.py): each
+    # entry is τ's or zero, and both occur.
+    kept = {p: merged[p] != 0 for p in tau}
+    for path, value in tau.items():
+      np.testing.assert_array_equal(merged[path][kept[path]], value[kept[path]], err_msg=path)
+    share = np.mean(np.concatenate([k.ravel() for k in kept.values()]))
+    assert 0 < share < 1, share
+    return
   if name == 'dare':
     # Its draws are jax's, not reproducible in numpy: every entry is dropped (0) or kept and
     # rescaled by 1/(1 − p) exactly, p = 0.5 by default; both happen on 51 entries.

@@ -74,6 +74,7 @@ METHODS = {
     'karcher': Method('karcher', {'max_iter': 10, 'tol': 1e-5, 'task_space': False},
                       ('max_iter', 'tol'), base='averaged'),
     'nearswap': Method('nearswap', {}, ('t',), required=('t',)),
+    'arcee_fusion': Method('arcee_fusion', {}),
 }
 # Every parameter some method reads: one the recipe's method does not is ignored, with a warning.
 KNOWN = sorted({p for m in METHODS.values() for p in m.parameters + m.model_parameters})

@@ -46,8 +46,9 @@ RECIPES = {
     'multislerp': ('multislerp', True, None, ['{weight: 1.0}', '{weight: 2.0}', '{weight: 1.0}']),
     'karcher': ('karcher', False, None, None),
     'nearswap': ('nearswap', True, '{t: 0.01}', None),
+    'arcee_fusion': ('arcee_fusion', True, None, None),
 }
-_ONE_MODEL = ('slerp', 'nearswap')
+_ONE_MODEL = ('slerp', 'nearswap', 'arcee_fusion')
 _TWO_MODELS = ('nuslerp',)
 
 
