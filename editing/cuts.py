@@ -199,17 +199,25 @@ def whole_cut(selection: Selection, starts: Sequence[int],
 def largest_cut(values: np.ndarray, kept: int) -> Cut:
   """The cut of the `kept` largest of a 1-D numpy array, exactly as a stable descending
   argsort keeps them (none for kept ≤ 0, every non-NaN entry for kept ≥ the size); NaN ranks
-  above everything (and, comparing false, is never kept). Ranked in chunks that stay in the
-  cache; a large array's sample is strided (a prime stride, so no row length aligns with it)."""
-  fixed = fixed_cut(values.size, kept)
-  if fixed is not None:
-    return fixed
-  starts = range(0, values.size, _CHUNK)
-  chunk = lambda i: values[starts[i]:starts[i] + _CHUNK]
-  sample = values[::_prime_at_least(values.size >> 16)] if values.size >= _SAMPLED else None
-  selection, = select(lambda: map(chunk, range(len(starts))), values.dtype, values.size,
-                      [kept], sample)
-  return whole_cut(selection, starts, chunk)
+  above everything (and, comparing false, is never kept)."""
+  return largest_cuts(values, [kept])[0]
+
+
+def largest_cuts(values: np.ndarray, kept: Sequence[int]) -> list[Cut]:
+  """`largest_cut` of each count, all found in one set of passes. Ranked in chunks that stay
+  in the cache; a large array's sample is strided (a prime stride, so no row length aligns
+  with it)."""
+  found = [fixed_cut(values.size, k) for k in kept]
+  ranked = [i for i, cut in enumerate(found) if cut is None]
+  if ranked:
+    starts = range(0, values.size, _CHUNK)
+    chunk = lambda i: values[starts[i]:starts[i] + _CHUNK]
+    sample = values[::_prime_at_least(values.size >> 16)] if values.size >= _SAMPLED else None
+    selections = select(lambda: map(chunk, range(len(starts))), values.dtype, values.size,
+                        [kept[i] for i in ranked], sample)
+    for i, selection in zip(ranked, selections):
+      found[i] = whole_cut(selection, starts, chunk)
+  return found
 
 
 _CHUNK = 1 << 18

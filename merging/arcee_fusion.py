@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from editing import tree as tree_lib
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -50,20 +49,15 @@ def threshold(scores: jax.Array) -> jax.Array:
 def merge(task_vectors: Sequence[TaskVector], *, theta0) -> TaskVector:
   """τ_m = τ_1 ⊙ [s ≥ threshold(s)] of the one task vector, per tensor."""
   check_compatible(task_vectors, 'arcee_fusion')
-  if len(task_vectors) != 1:
-    raise UserError(f'arcee_fusion merges one fine-tuned model into the base; got '
-                    f'{len(task_vectors)} task vectors')
+  common.check_one_model(task_vectors, 'arcee_fusion')
   base = tree_lib.flatten(theta0)
   views = ops.matrices(task_vectors[0].delta)
 
   def fused(path: str, d: jax.Array) -> jax.Array:
-    view = views[path]
     d = jnp.asarray(d, jnp.float32)
     x0 = jnp.asarray(base[path], jnp.float32)
-    as_rows = view.of if view is not None else (
-        lambda x: x.reshape(x.shape[0] if x.ndim > 1 else 1, -1))
-    scores = importance(as_rows(x0 + d), as_rows(x0))
-    kept = jnp.where(scores >= threshold(scores), as_rows(d), 0.0)
-    return view.back(kept, d.shape) if view is not None else kept.reshape(d.shape)
+    scores = importance(ops.rows(views[path], x0 + d), ops.rows(views[path], x0))
+    kept = jnp.where(scores >= threshold(scores), ops.rows(views[path], d), 0.0)
+    return ops.from_rows(views[path], kept, d.shape)
 
   return common.merged(task_vectors, tree_lib.map_with_path(fused, task_vectors[0].delta))

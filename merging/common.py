@@ -33,6 +33,14 @@ class TaskData:
   labels: np.ndarray | None = None
 
 
+def check_one_model(task_vectors: Sequence, method: str, others: str = '') -> None:
+  """An error unless there is one task vector: `method` merges one fine-tuned model into the
+  base (`others`, a pointer to the methods that take more)."""
+  if len(task_vectors) != 1:
+    raise UserError(f'{method} merges one fine-tuned model into the base; got '
+                    f'{len(task_vectors)} task vectors{others}')
+
+
 def check_weights(weights: Sequence[float], count: int, method: str) -> None:
   """One finite weight per task vector, not all zero."""
   if len(weights) != count or not all(np.isfinite(w) for w in weights) or not any(weights):

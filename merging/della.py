@@ -47,15 +47,14 @@ def magprune(delta: dict, density: float, epsilon: float, rescale: str,
   views = ops.matrices(delta)
 
   def prune(path, d):
-    view = views[path]
-    rows = view.of(d) if view is not None else d.reshape(d.shape[0] if d.ndim > 1 else 1, -1)
+    rows = ops.rows(views[path], d)
     p = keep_probabilities(jnp.abs(rows), density, epsilon)
     kept = jax.random.bernoulli(jax.random.fold_in(key, tree_lib.stable_hash(path)), p)
     if rescale == 'l1_norm':
       out = ops.rescale_l1(rows, jnp.where(kept, rows, 0.0))
     else:
       out = jnp.where(kept, rows / p, 0.0)
-    return view.back(out, d.shape) if view is not None else out.reshape(d.shape)
+    return ops.from_rows(views[path], out, d.shape)
 
   return {path: prune(path, d) for path, d in delta.items()}
 

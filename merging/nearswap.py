@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from editing import settings
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -26,9 +25,7 @@ from merging import common
 def merge(task_vectors: Sequence[TaskVector], *, t: float) -> TaskVector:
   """τ_m = clamp(t/|τ_1|, 0, 1) ⊙ τ_1 of the one task vector."""
   check_compatible(task_vectors, 'nearswap')
-  if len(task_vectors) != 1:
-    raise UserError(f'nearswap merges one fine-tuned model into the base; got '
-                    f'{len(task_vectors)} task vectors')
+  common.check_one_model(task_vectors, 'nearswap')
 
   def swapped(delta):
     magnitude = jnp.abs(delta)

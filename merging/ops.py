@@ -165,6 +165,17 @@ def matrices(delta: PyTree) -> dict[str, Matrix | None]:
   return views
 
 
+def rows(view: Matrix | None, x: jax.Array) -> jax.Array:
+  """x read as rows: its matrix's (outputs, inputs) where `matrices` reads it as one, else
+  along its first axis (a vector is one row)."""
+  return view.of(x) if view is not None else x.reshape(x.shape[0] if x.ndim > 1 else 1, -1)
+
+
+def from_rows(view: Matrix | None, r: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The leaf of `shape` whose `rows` are `r`."""
+  return view.back(r, shape) if view is not None else r.reshape(shape)
+
+
 def per_matrix(task_vectors: Sequence[Any], merge_matrix: Callable[[list], jax.Array]) -> PyTree:
   """The merged deltas: merge_matrix([W_1..W_T]) of each matrix leaf (as `matrices` reads it),
   the mean of the τ_t elsewhere."""

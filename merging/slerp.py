@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from editing import settings
 from editing import tree as tree_lib
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -39,9 +38,7 @@ def interpolate(t: float, a: jax.Array, b: jax.Array, eps: float = 1e-8) -> jax.
 def merge(task_vectors: Sequence[TaskVector], *, theta0, t: float) -> TaskVector:
   """τ_m = slerp(θ0, θ0 + τ_1; t) − θ0 of the one task vector."""
   check_compatible(task_vectors, 'slerp')
-  if len(task_vectors) != 1:
-    raise UserError(f'slerp merges one fine-tuned model into the base; got '
-                    f'{len(task_vectors)} task vectors (nuslerp takes two, multislerp any)')
+  common.check_one_model(task_vectors, 'slerp', ' (nuslerp takes two, multislerp any)')
   base = tree_lib.flatten(theta0)
   return common.merged(task_vectors, tree_lib.map_with_path(
       lambda path, d: interpolate(t, base[path], base[path] + d) - base[path],

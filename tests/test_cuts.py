@@ -51,9 +51,14 @@ def test_largest_cut_keeps_what_a_stable_argsort_keeps(dtype, kind, sampled, mon
   rng = np.random.default_rng(0)
   for n in (1, 7, 200, 1000):
     values = values_of(kind, dtype, n, rng)
-    for kept in sorted({0, 1, n // 3, n // 2, n - 1, n, n + 1}):
+    counts = sorted({0, 1, n // 3, n // 2, n - 1, n, n + 1})
+    for kept in counts:
       np.testing.assert_array_equal(cuts.cut_mask(values, cuts.largest_cut(values, kept)),
                                     argsort_mask(values, kept), err_msg=(n, kept))
+    # Every count at once, in one set of passes.
+    for kept, cut in zip(counts, cuts.largest_cuts(values, counts)):
+      np.testing.assert_array_equal(cuts.cut_mask(values, cut), argsort_mask(values, kept),
+                                    err_msg=(n, kept, 'together'))
   if sampled and kind == 'peaks_on_the_stride' and np.dtype(dtype).kind == 'f':
     assert any(missed), 'the sample was not fooled'
   if sampled and kind == 'normal' and dtype in (np.float32, np.float64):

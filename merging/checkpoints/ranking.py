@@ -124,8 +124,8 @@ class TensorRanking:
         return tuple(found)
       if size < _HELD:
         held = self.magnitudes(name, model, 0, size)
-        for j in todo:
-          found[j] = cuts.largest_cut(held, kept[j])
+        for j, cut in zip(todo, cuts.largest_cuts(held, [kept[j] for j in todo])):
+          found[j] = cut
       else:
         spans = pipeline.blocks(size)
         chunk = lambda i: self.magnitudes(name, model, *spans[i])
