@@ -25,11 +25,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Which methods, λ's grid 0, lambda_step, ..., each method's lambda_max (merging/__init__.py:
   # 1, the authors' 3 for the SVD-era merges, 2 for TIES and Breadcrumbs), and the examples per
-  # task that the data-driven methods read (Fisher and RegMean: labeled train; AdaMerging:
-  # unlabeled test).
+  # task that the data-driven methods read (Fisher, RegMean and RegMean++: labeled train;
+  # AdaMerging: unlabeled test).
   config.merge = ml_collections.ConfigDict(dict(
       methods='averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,tsv_m,iso_c,'
-              'iso_cts,wudi,model_stock,fisher,regmean,adamerging_task,adamerging_layer,dam',
+              'iso_cts,wudi,model_stock,fisher,regmean,regmean_plusplus,adamerging_task,'
+              'adamerging_layer,dam',
       lambda_step=0.05,
       # Methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
       lines='',

@@ -45,6 +45,7 @@ from merging import nearswap
 from merging import nuslerp
 from merging import peft_combinations
 from merging import regmean
+from merging import regmean_plusplus
 from merging import sce
 from merging import slerp
 from merging import task_arithmetic
@@ -157,6 +158,8 @@ REGISTRY: dict[str, Method] = {
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
                       refused_regimes=regimes.TANGENT),
+    'regmean_plusplus': Method(regmean_plusplus.merge, reads=('theta0', 'apply_fn', 'data'),
+                               scaled=False, refused_regimes=regimes.TANGENT),
     'adamerging_task': Method(functools.partial(adamerging.merge, granularity='task'),
                               **_LEARNED),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),

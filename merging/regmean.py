@@ -16,6 +16,7 @@ Linearized (and L-LoRA) task vectors are refused: their model is not a stack of 
 in θ.
 """
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,13 +40,25 @@ ApplyFn = Callable[[Any, jax.Array], Any]  # the plain model: apply_fn(params, i
 def gram_matrices(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray,
                   batch_size: int = 64) -> dict[str, np.ndarray]:
   """{kernel path: Σ xᵀx over the inputs x of that linear layer}, for every Dense layer."""
+  grams_of_batch = _grams_of_batch(apply_fn)
+  totals: dict[str, np.ndarray] = {}
+  for batch in batching.padded_batches([images], batch_size):
+    for path, gram in distributed.to_host(grams_of_batch(params, *batch.arrays,
+                                                    batch.weights)).items():
+      totals[path] = totals.get(path, 0.0) + gram.astype(np.float64)
+  return totals
+
+
+@functools.lru_cache(maxsize=8)
+def _grams_of_batch(apply_fn: ApplyFn):
+  """The jitted Grams of one batch, one per model: RegMean++ takes them on a new params tree
+  for every block and task, and those trees share one compile."""
 
   def grams_of_batch(params, images, weights):
     grams = {}
 
     def capture(next_fun, args, kwargs, context):
-      if isinstance(context.module, (nn.Dense, nn.DenseGeneral)) and \
-          context.method_name == '__call__':
+      if _is_linear_call(context):
         path = '/'.join(context.module.path + ('kernel',))
         kernel = tree_lib.flatten(params)[path]
         x = args[0].reshape(args[0].shape[0], -1, _fan_in(kernel.shape, args[0].shape))
@@ -56,13 +69,26 @@ def gram_matrices(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray,
       apply_fn(params, images)
     return grams
 
-  grams_of_batch = jax.jit(grams_of_batch)
-  totals: dict[str, np.ndarray] = {}
-  for batch in batching.padded_batches([images], batch_size):
-    for path, gram in distributed.to_host(grams_of_batch(params, *batch.arrays,
-                                                    batch.weights)).items():
-      totals[path] = totals.get(path, 0.0) + gram.astype(np.float64)
-  return totals
+  return jax.jit(grams_of_batch)
+
+
+def _is_linear_call(context) -> bool:
+  return isinstance(context.module, (nn.Dense, nn.DenseGeneral)) and \
+      context.method_name == '__call__'
+
+
+def linear_layers(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray) -> list[str]:
+  """The kernel paths of the Dense layers `apply_fn` calls, in the order it first calls them."""
+  order: list[str] = []
+
+  def record(next_fun, args, kwargs, context):
+    if _is_linear_call(context):
+      order.append('/'.join(context.module.path + ('kernel',)))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(apply_fn, params, images)
+  return list(dict.fromkeys(order))
 
 
 def _fan_in(kernel_shape, input_shape) -> int:
@@ -73,26 +99,45 @@ def _fan_in(kernel_shape, input_shape) -> int:
   raise ValueError(f'kernel {kernel_shape} does not contract inputs {input_shape}')
 
 
+def solve(weights: Sequence[jax.Array], grams: Sequence[jax.Array], alpha: float) -> jax.Array:
+  """W_m = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_t for one layer: its tasks' kernels and input Grams."""
+  fan_in = grams[0].shape[0]
+  shrunk = [alpha * g + (1 - alpha) * jnp.diag(jnp.diag(g)) for g in
+            (jnp.asarray(g, jnp.float32) for g in grams)]
+  matrices = [w.reshape(fan_in, -1) for w in weights]
+  solved = jnp.linalg.solve(sum(shrunk), sum(g @ w for g, w in zip(shrunk, matrices)))
+  return solved.reshape(weights[0].shape)
+
+
 def combine(task_vectors: Sequence[TaskVector], theta0: common.PyTree,
             grams: Sequence[Mapping[str, np.ndarray]], alpha: float = 0.9) -> TaskVector:
   """The RegMean vector from each task's Grams (same keys for every task); jit-able."""
   check_compatible(task_vectors, 'regmean')
-  if not 0 <= alpha <= 1:
-    raise UserError(f'regmean alpha must be in [0, 1], got {alpha}')
+  check_alpha(alpha, 'regmean')
   flat0 = tree_lib.flatten(theta0)
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
   merged = {}
   for path, w0 in flat0.items():
-    if path not in grams[0]:
+    if path in grams[0]:
+      solved = solve([w0 + d[path] for d in deltas], [g[path] for g in grams], alpha)
+      merged[path] = solved - w0
+    else:
       merged[path] = sum(d[path] for d in deltas) / len(deltas)
-      continue
-    fan_in = grams[0][path].shape[0]
-    shrunk = [alpha * g + (1 - alpha) * jnp.diag(jnp.diag(g)) for g in
-              (jnp.asarray(g[path], jnp.float32) for g in grams)]
-    weights = [(w0 + d[path]).reshape(fan_in, -1) for d in deltas]
-    solved = jnp.linalg.solve(sum(shrunk), sum(g @ w for g, w in zip(shrunk, weights)))
-    merged[path] = solved.reshape(w0.shape) - w0
   return common.merged(task_vectors, tree_lib.unflatten(merged))
+
+
+def check_alpha(alpha: float, method: str) -> None:
+  if not 0 <= alpha <= 1:
+    raise UserError(f'{method} alpha must be in [0, 1], got {alpha}')
+
+
+def check_layered(task_vectors: Sequence[TaskVector], method: str) -> None:
+  """Refuses the vectors of a model that is not a stack of linear layers in θ."""
+  check_compatible(task_vectors, method)
+  if task_vectors[0].regime in regimes.TANGENT:
+    raise UserError(f'{method} merges layer by layer through the model itself; '
+                    f'{task_vectors[0].regime} task vectors act through the tangent model, which '
+                    'has no such layers')
 
 
 @settings.declare(
@@ -101,11 +146,7 @@ def combine(task_vectors: Sequence[TaskVector], theta0: common.PyTree,
 def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree, apply_fn: ApplyFn,
           data: Mapping[str, common.TaskData], alpha: float, batch_size: int) -> TaskVector:
   """RegMean, with each task's Grams taken on its fine-tuned model over its `data` images."""
-  check_compatible(task_vectors, 'regmean')
-  if task_vectors[0].regime in regimes.TANGENT:
-    raise UserError(f'regmean merges layer by layer through the model itself; '
-                    f'{task_vectors[0].regime} task vectors act through the tangent model, which '
-                    'has no such layers')
+  check_layered(task_vectors, 'regmean')
   grams = [gram_matrices(apply_fn, v.apply_to(theta0), common.task_of(v, data, 'regmean').images,
                          batch_size) for v in task_vectors]
   return combine(task_vectors, theta0, grams, alpha)

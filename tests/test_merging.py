@@ -67,7 +67,8 @@ INPUTS = {'key': jax.random.PRNGKey(7), 'theta0': THETA0, 'apply_fn': APPLY, 'tr
 _DAM = dict(steps=2, refit_steps=2)
 SETTINGS = {'adamerging_task': dict(steps=3), 'adamerging_layer': dict(steps=3),
             'dam': _DAM, 'dam_shared': _DAM, 'dam_safe': _DAM, 'dam_oracle': _DAM,
-            'fisher': dict(batch_size=8), 'regmean': dict(batch_size=8)}
+            'fisher': dict(batch_size=8), 'regmean': dict(batch_size=8),
+            'regmean_plusplus': dict(batch_size=8)}
 
 
 def run(name, vectors, data=None, **overrides):
@@ -109,17 +110,17 @@ WEIGHT_SPACE = ('slerp', 'karcher')
 def test_zero_task_vectors_merge_to_zero(name):
   zeros = [v.replace(delta=jax.tree.map(jnp.zeros_like, v.delta)) for v in random_vectors()]
   for path, value in flat(run(name, zeros).delta).items():
-    # RegMean solves a linear system for W0 itself, and the interpolations of weights take
+    # RegMean(++) solves a linear system for W0 itself, and the interpolations of weights take
     # θ0 + 0 through float32 arithmetic: both land on zero up to rounding.
-    rounded = name == 'regmean' or name in WEIGHT_SPACE
+    rounded = name.startswith('regmean') or name in WEIGHT_SPACE
     np.testing.assert_allclose(value, 0.0, atol=1e-5 if rounded else 0, err_msg=path)
 
 
 def single_vector_output(name, vector):
   """What each method documents for one task vector in, at its defaults, from plain numpy."""
   tau = flat(vector.delta)
-  if name in ('averaging', 'task_arithmetic', 'fisher', 'regmean', 'magmax', 'multislerp',
-              'karcher'):
+  if name in ('averaging', 'task_arithmetic', 'fisher', 'regmean', 'regmean_plusplus', 'magmax',
+              'multislerp', 'karcher'):
     return tau
   if name in ('della', 'sce'):  # density 1 keeps all; the one vector's sign agrees with itself
     return tau
@@ -343,9 +344,101 @@ def test_regmean_on_one_linear_layer_is_the_least_squares_merge():
                              least_squares, rtol=1e-3, atol=1e-4)
 
 
-def test_regmean_refuses_linearized_vectors():
+@pytest.mark.parametrize('name', ['regmean', 'regmean_plusplus'])
+def test_regmean_refuses_linearized_vectors(name):
   with pytest.raises(ValueError, match='linearized'):
-    run('regmean', random_vectors(regime='linearized'))
+    run(name, random_vectors(regime='linearized'))
+
+
+class Block(nn.Module):
+  """x + proj(tanh(fc(x))): a block whose second layer reads its first."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(4, name='proj')(jnp.tanh(nn.Dense(4, name='fc')(x)))
+
+
+class Blocks(nn.Module):
+  """Two blocks and a Dense layer after them: RegMean++'s three stages."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = Block(name=f'blocks_{i}')(x)
+    return nn.Dense(3, name='out')(x)
+
+
+def blocks_problem():
+  net = Blocks()
+  theta0 = net.init(jax.random.PRNGKey(0), jnp.zeros((1, 4)))['params']
+  apply_fn = lambda params, x: net.apply({'params': params}, x)
+  vectors = [v.replace(delta=jax.tree.map(lambda d: 3 * d, v.delta)) for v in
+             [TaskVector(jax.tree.map(lambda x, k=k: 0.1 * jax.random.normal(k, x.shape),
+                                      theta0), (t,), 'full', 'b')
+              for t, k in zip(TASKS, jax.random.split(jax.random.PRNGKey(1), 3))]]
+  rng = np.random.default_rng(3)
+  inputs = {t: rng.normal(size=(30 + 5 * i, 4)).astype(np.float32) * (1 + i)
+            for i, t in enumerate(TASKS)}
+  data = {t: common.TaskData(apply_fn, inputs[t]) for t in TASKS}
+  return theta0, apply_fn, vectors, inputs, data
+
+
+def numpy_regmean_plusplus(theta0, vectors, inputs, alpha):
+  """RegMean++ on `Blocks` in float64 numpy: each block's inputs are the merged blocks'
+  outputs on the task's data, and inside the block the task's own layers act."""
+  f0 = {p: np.asarray(x, np.float64) for p, x in flat(theta0).items()}
+  thetas = [{p: f0[p] + np.asarray(x, np.float64) for p, x in flat(v.delta).items()}
+            for v in vectors]
+  merged = {p: f0[p] + np.mean([np.asarray(flat(v.delta)[p], np.float64) for v in vectors],
+                               axis=0) for p in f0}
+
+  def solve(layer, layer_inputs):
+    grams = [x.T @ x for x in layer_inputs]
+    grams = [alpha * g + (1 - alpha) * np.diag(np.diag(g)) for g in grams]
+    rhs = sum(g @ th[f'{layer}/kernel'] for g, th in zip(grams, thetas))
+    return np.linalg.solve(sum(grams), rhs)
+
+  dense = lambda th, layer, x: x @ th[f'{layer}/kernel'] + th[f'{layer}/bias']
+  xs = [inputs[t].astype(np.float64) for t in TASKS]
+  for i in range(2):
+    fc, proj = f'blocks_{i}/fc', f'blocks_{i}/proj'
+    merged[f'{fc}/kernel'] = solve(fc, xs)
+    merged[f'{proj}/kernel'] = solve(proj, [np.tanh(dense(th, fc, x))
+                                            for th, x in zip(thetas, xs)])
+    xs = [x + dense(merged, proj, np.tanh(dense(merged, fc, x))) for x in xs]
+  merged['out/kernel'] = solve('out', xs)
+  return {p: merged[p] - f0[p] for p in f0}, xs
+
+
+def test_regmean_plusplus_against_numpy():
+  theta0, apply_fn, vectors, inputs, data = blocks_problem()
+  merged = merging.get('regmean_plusplus').merge(vectors, theta0=theta0, apply_fn=apply_fn,
+                                                 data=data, alpha=0.9, batch_size=8)
+  expected, _ = numpy_regmean_plusplus(theta0, vectors, inputs, alpha=0.9)
+  for path, value in flat(merged.delta).items():
+    np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-5, err_msg=path)
+
+
+def test_regmean_plusplus_fits_each_layer_to_the_merged_models_own_inputs():
+  """Its defining property, against RegMean: the first block sees what RegMean's does, so its
+  merge is RegMean's; the last layer's is the least-squares fit, over every task's inputs as
+  the merged model makes them, of the tasks' own outputs there, which RegMean's is not."""
+  theta0, apply_fn, vectors, inputs, data = blocks_problem()
+  plus = flat(merging.get('regmean_plusplus').merge(
+      vectors, theta0=theta0, apply_fn=apply_fn, data=data, alpha=1.0, batch_size=8).delta)
+  plain = flat(regmean.merge(vectors, theta0=theta0, apply_fn=apply_fn, data=data, alpha=1.0,
+                             batch_size=8).delta)
+  for layer in ('blocks_0/fc', 'blocks_0/proj'):
+    np.testing.assert_allclose(plus[f'{layer}/kernel'], plain[f'{layer}/kernel'], rtol=1e-4,
+                               atol=1e-6, err_msg=layer)
+  _, merged_inputs = numpy_regmean_plusplus(theta0, vectors, inputs, alpha=1.0)
+  w0 = np.asarray(theta0['out']['kernel'], np.float64)
+  targets = [x @ (w0 + np.asarray(v.delta['out']['kernel'], np.float64))
+             for x, v in zip(merged_inputs, vectors)]
+  least_squares = np.linalg.lstsq(np.concatenate(merged_inputs), np.concatenate(targets),
+                                  rcond=None)[0]
+  np.testing.assert_allclose(w0 + plus['out/kernel'], least_squares, rtol=1e-3, atol=1e-5)
+  assert np.abs(w0 + plain['out/kernel'] - least_squares).max() > 1e-2
 
 
 def toy_adamerging_problem():
