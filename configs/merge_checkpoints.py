@@ -48,8 +48,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
   # Values that vary by tensor, as JSON {field: value}: a field is a setting of the method,
   # 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value} entries
-  # (merging/checkpoints/layered.py), e.g. '{"t": [0, 0.5, 1]}'.
+  # (merging/checkpoints/layered.py), e.g. '{"t": [0, 0.5, 1]}'; LiNeS with α, β over any
+  # method is '{"scale": [α, α + β]}'.
   config.layered = ''
+  # The output's layers merged from layer ranges of the base and each model (mergekit's slices
+  # with a merging method), as JSON [{model: [first layer, end layer], ...}, ...], every model
+  # and the base in each slice: '[{"/m/base": [0, 16], "/m/a": [0, 16]}]'.
+  config.slices = ''
   # Settings given one value per model, as JSON {setting: [values]} in the order of
   # config.models (mergekit's per-model density), for the methods that take them.
   config.per_model = ''

@@ -14,6 +14,7 @@ from editing import cuts
 from editing.errors import UserError
 from editing.models import hf
 from merging import checkpoints
+from merging import lines
 from merging.checkpoints import pipeline
 from merging.checkpoints import ranking
 from merging.checkpoints import tensors
@@ -362,6 +363,31 @@ def test_a_global_ranking_with_ties_across_tensors_equals_the_in_memory_one(tmp_
     streamed = reference.read_output(out)
     for n, x in reference.in_memory(str(tmp_path / 'base'), models, plan).items():
       np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=f'{density} {n}')
+
+
+@pytest.mark.parametrize('method, settings', [('ties', {'density': 0.2, 'scope': 'tensor'}),
+                                              ('tsv_m', {})])
+def test_lines_is_a_scale_gradient_over_the_layers(tmp_path, method, settings):
+  """LiNeS over any streamed merge, as a recipe gives it: λ from α at the first layer (and
+  outside the layers) to α + β at the last, which is the suite's LiNeS (merging/lines.py)."""
+  alpha, beta = 0.25, 0.5
+  base, models = fixture(str(tmp_path))
+  out = str(tmp_path / 'out')
+  checkpoints.merge(base, models, out, checkpoints.Plan(
+      method, settings, layered=(('scale', [alpha, alpha + beta]),)))
+  streamed = reference.read_output(out)
+  floats = {n: np.asarray(x, np.float32) for n, x in llama_tensors(0).items()}
+  vectors = tensors.task_vectors(
+      floats, [{n: hf.Checkpoint(m).tensor(n) for n in floats} for m in models],
+      [f'model_{i}' for i in range(len(models))])
+  plain = merging.get(method).merge(vectors, **checkpoints.Plan(method, settings).settings)
+  scaled = lines.scale(plain, alpha, beta).delta
+  for n, x in floats.items():
+    depth = alpha + beta if f'.{LAYERS - 1}.' in n else alpha
+    np.testing.assert_allclose(scaled[n], depth * np.asarray(plain.delta[n]), rtol=1e-6,
+                               err_msg=n)
+    np.testing.assert_allclose(streamed[n], x + np.asarray(scaled[n]), rtol=1e-6, atol=1e-6,
+                               err_msg=n)
 
 
 SPLIT_MERGES = r'''

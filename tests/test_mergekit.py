@@ -1,6 +1,7 @@
 """mergekit's conventions: its weighted merges against a numpy reference, and its YAML recipes
 read onto the checkpoint merge (merging/jobs/mergekit.py)."""
 
+import json
 import logging
 import os
 
@@ -10,6 +11,7 @@ import pytest
 
 from configs import merge_checkpoints as merge_checkpoints_config
 from editing.errors import UserError
+from editing.models import hf
 from merging import checkpoints
 from merging.checkpoints import layered
 from merging.jobs import checkpoint_benchmark
@@ -96,7 +98,7 @@ dtype: bfloat16
     ('merge_method: arcee_fusion\nbase_model: b\nmodels: [{model: a}, {model: c}]',
      'arcee_fusion merges 1 model besides the base, got 2'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a}]\nslices: []',
-     'slices are supported here with merge_method passthrough only'),
+     'give the models in models or in slices, not both'),
     ('merge_method: ties\nbase_model: b\nmodels: [{model: a, parameters: {gama: 0.1}}]',
      r'models\[0\].parameters.gama not supported'),
     ('merge_method: breadcrumbs\nbase_model: b\nmodels: [{model: a, parameters: {density: 0.2}}, '
@@ -451,6 +453,160 @@ def test_slices_outside_the_models_layers_are_refused(tmp_path, span, message):
   config = merge_checkpoints_config.get_config()
   config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
   config.output = str(tmp_path / 'out')
+  with pytest.raises(UserError, match=message):
+    checkpoints.run(config, str(tmp_path))
+  assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')
+
+
+SLICED_TIES = '''
+slices:
+  - sources:
+    - model: {base}
+      layer_range: [0, 2]
+    - model: {a}
+      layer_range: [2, 4]
+    - model: {b}
+      layer_range: [0, 2]
+  - sources:
+    - model: {base}
+      layer_range: [3, 4]
+    - model: {a}
+      layer_range: [0, 1]
+    - model: {b}
+      layer_range: [1, 2]
+merge_method: ties
+base_model: {base}
+parameters: {{density: 0.5, weight: 1.0}}
+dtype: float32
+'''
+
+
+def renamed(model: str, ranges: list[tuple[int, int]], directory: str) -> str:
+  """`model` with the layers of `ranges` stacked and renumbered, every other tensor its own,
+  written by hand as a checkpoint of its own."""
+  tensors = reference.read_output(model)
+  layer_of = lambda n: int(n.split('.')[2]) if n.startswith('model.layers.') else None
+  out = {n: x for n, x in tensors.items() if layer_of(n) is None}
+  sources = [layer for first, end in ranges for layer in range(first, end)]
+  for new, old in enumerate(sources):
+    for n, x in tensors.items():
+      if layer_of(n) == old:
+        out[n.replace(f'model.layers.{old}.', f'model.layers.{new}.')] = x
+  hf.save(directory, out, {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'},
+          shard_bytes=2**30)
+  return directory
+
+
+def test_slices_merged_with_a_method_equal_the_merge_of_the_stacked_layers(tmp_path):
+  """mergekit's slices with TIES: output layers 0-1 merge layers 0-1 of the base, 2-3 of a and
+  0-1 of b; layer 2 merges layers 3, 0 and 1. The same bits as TIES over checkpoints that
+  hold those layers renumbered, and config.json counts 3 layers."""
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  a, b = models[:2]
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', SLICED_TIES.format(base=base, a=a,
+                                                                              b=b))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  stacked = [renamed(m, ranges, str(tmp_path / f'stacked{i}')) for i, (m, ranges) in enumerate(
+      [(base, [(0, 2), (3, 4)]), (a, [(2, 4), (0, 1)]), (b, [(0, 2), (1, 2)])])]
+  plan = checkpoints.Plan('ties', {'density': 0.5, 'scope': 'tensor', 'normalize': True},
+                          weights=(1.0, 1.0))
+  checkpoints.merge(stacked[0], stacked[1:], str(tmp_path / 'expected'), plan)
+  out, expected = (reference.read_output(p) for p in (config.output, str(tmp_path / 'expected')))
+  assert out.keys() == expected.keys()
+  for n, x in expected.items():
+    np.testing.assert_array_equal(bits(out[n]), bits(x), err_msg=n)
+  with open(os.path.join(config.output, 'config.json')) as f:
+    assert json.load(f)['num_hidden_layers'] == 3
+
+
+GRADIENT_SLERP_SLICES = '''
+slices:
+  - sources:
+    - model: {base}
+      layer_range: [0, 2]
+    - model: {model}
+      layer_range: [0, 2]
+  - sources:
+    - model: {base}
+      layer_range: [1, 4]
+    - model: {model}
+      layer_range: [1, 4]
+merge_method: slerp
+base_model: {base}
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 1]
+    - value: 0.5
+dtype: float32
+'''
+
+
+def test_a_gradient_over_slices_runs_over_each_slices_own_layers(tmp_path):
+  """examples/gradient-slerp.yml's slices form, in two slices of 2 and 3 layers: t of the
+  attention goes 0, 1 over the first and 0, 0.5, 1 over the second, as mergekit plans it."""
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
+                                  GRADIENT_SLERP_SLICES.format(base=base, model=models[0]))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  out, theta0, theta1 = (reference.read_output(p) for p in (config.output, base, models[0]))
+  sources, attention_t = [0, 1, 1, 2, 3], [0, 1, 0, 0.5, 1]
+  for layer, (source, t) in enumerate(zip(sources, attention_t)):
+    for suffix in ('self_attn.q_proj.weight', 'mlp.up_proj.weight'):
+      name, given = f'model.layers.{layer}.{suffix}', f'model.layers.{source}.{suffix}'
+      expected = references.slerp(t if 'self_attn' in suffix else 0.5, theta0[given],
+                                  theta1[given])
+      np.testing.assert_allclose(out[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+  np.testing.assert_allclose(out['lm_head.weight'], references.slerp(
+      0.5, theta0['lm_head.weight'], theta1['lm_head.weight']), rtol=1e-5, atol=1e-6)
+  assert len([n for n in out if n.startswith('model.layers.')]) == 5 * 9
+
+
+@pytest.mark.parametrize('change, message', [
+    (lambda t: t.replace('[1, 2]', '[1, 3]'), r'slices\[1\]: its ranges hold \[1, 2\] layers'),
+    (lambda t: t.replace('[3, 4]', '[3, 5]').replace('[0, 1]', '[0, 2]').replace('[1, 2]',
+                                                                                '[1, 3]'),
+     r'slices\[1\]: .* has layers 0 … 3; the layer_range \[3, 5\) is not among them'),
+    (lambda t: t.replace('base_model: {base}', 'base_model: {c}'),
+     'base_model .* is not a source of the slices'),
+    (lambda t: t.rsplit('- model: {b}', 1)[0] + '- model: {c}' + t.rsplit('- model: {b}', 1)[1],
+     r'slices\[1\] merges .*every slice merges the same models'),
+    (lambda t: t.replace('layer_range: [2, 4]', 'layer_range: [2, 4]\n      parameters: '
+                         '{{density: 0.3}}', 1).replace(
+        'layer_range: [0, 1]', 'layer_range: [0, 1]\n      parameters: {{density: 0.4}}', 1),
+     r'slices\[1\].sources\[1\].parameters: .* other parameters in an earlier slice'),
+])
+def test_bad_slices_are_named_and_nothing_is_written(tmp_path, change, message):
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  text = change(SLICED_TIES).format(base=base, a=models[0], b=models[1], c=models[2])
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
+  config.output = str(tmp_path / 'out')
+  with pytest.raises(UserError, match=message):
+    checkpoints.run(config, str(tmp_path))
+  assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')
+
+
+@pytest.mark.parametrize('slices, message', [
+    ('[{"BASE": [0, 2]}', r'config.slices = .* is not JSON'),
+    ('{"BASE": [0, 2]}', r'a JSON list of \{model: \[first layer, end layer\]\}'),
+    ('[{"BASE": [0, 2]}]', r'config.slices\[0\]: give the base and each model of .* one layer '
+                           'range'),
+    ('[{"BASE": [0, 2], "A": [0, "2"]}]', r'config.slices\[0\].* = \[0, .2.\]: a layer range'),
+])
+def test_bad_slices_from_the_flags_are_named(tmp_path, slices, message):
+  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
+  config = merge_checkpoints_config.get_config()
+  config.update(base=base, models=models[0], method='ties', output=str(tmp_path / 'out'),
+                slices=slices.replace('BASE', base).replace('"A"', json.dumps(models[0])))
   with pytest.raises(UserError, match=message):
     checkpoints.run(config, str(tmp_path))
   assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')

@@ -38,6 +38,7 @@ from merging.checkpoints import extraction
 from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
+from merging.checkpoints import sliced
 from merging.checkpoints import tensors as tensors_lib
 from merging.jobs import mergekit
 
@@ -48,10 +49,11 @@ _COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
-          overwrite: bool = False, recipe: str | None = None) -> dict:
+          overwrite: bool = False, recipe: str | None = None,
+          slices: sliced.Slices | None = None) -> dict:
   """Merges `models` onto `base` into the Hugging Face directory `output`, whose README.md
   records the merge (and the mergekit `recipe`, its YAML text, if one set it); returns a
-  summary."""
+  summary. `slices` merge layer ranges of the models into the output's layers (`sliced`)."""
   if not models:
     raise UserError('config.models: no fine-tuned model to merge')
   count = 1 if plan.method in plan_lib.SINGLE_MODEL else merging.get(plan.method).vectors
@@ -71,11 +73,22 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
   base_ckpt = hf.Checkpoint(base)
   ckpts = [hf.Checkpoint(m) if m in dense else peft_adapter.Adapted(base_ckpt, m)
            for m in models]
+  positions = None
+  if slices is not None:
+    if len(dense) < len(models) or plan.method in plan_lib.SINGLE_MODEL:
+      raise UserError('config.slices: slices merge full checkpoints with a merging method; '
+                      f'{plan.method} of {models} is not one')
+    sliced.check(slices, [base, *models])
+    viewed = sliced.views(slices, {base: base_ckpt, **dict(zip(models, ckpts))})
+    base_ckpt, ckpts = viewed[base], [viewed[m] for m in models]
+    positions = sliced.positions(slices, list(base_ckpt.files))
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
   shards = _shards(base_ckpt, names, plan)
   record = {'plan': plan.record(), 'inputs': [_fingerprint(c) for c in [base_ckpt, *ckpts]],
             'shards': [{'file': s.file, 'names': s.names} for s in shards]}
+  if slices is not None:
+    record['slices'] = [dict(piece) for piece in slices]
   partial = output + '.partial'
   summary = {'output': output, 'tensors': len(names), 'shards': len(shards),
              'bytes': sum(s.bytes for s in shards)}
@@ -96,7 +109,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
       elif low_rank:
         summary['adapter'] = adapters.write(base_ckpt, models, partial, plan, base)
       else:
-        _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names))
+        _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names), positions)
     except UserError:
       # Bad input: no rerun under this plan and these inputs could finish the shards.
       shutil.rmtree(partial, ignore_errors=True)
@@ -105,7 +118,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     if plan.method == 'extract_lora' or low_rank:
       atomic.replace_directory(partial, output)  # an adapter: no index, no model config
     else:
-      _finish(base, partial, output, shards)
+      _finish(base, partial, output, shards, base_ckpt.config if slices else None)
   return {**summary, 'seconds': time.time() - start}
 
 
@@ -185,12 +198,12 @@ def _difference(recorded: dict | None, record: dict) -> str:
   return 'its shard plan differs'
 
 
-def _write_shards(base_ckpt, ckpts, models, plan, partial, shards, count) -> None:
+def _write_shards(base_ckpt, ckpts, models, plan, partial, shards, count, positions) -> None:
   """Each shard not yet in `partial`, a tensor at a time, with progress."""
   start, done_bytes, done_tensors = time.time(), 0, 0
   total_bytes = sum(s.bytes for s in shards)
   with pipeline.pool(len(ckpts)) as threads:
-    tensors = tensors_lib.TensorMerge(base_ckpt, ckpts, models, plan, threads)
+    tensors = tensors_lib.TensorMerge(base_ckpt, ckpts, models, plan, threads, positions)
     for shard in shards:
       path = os.path.join(partial, shard.file)
       if not os.path.exists(path):
@@ -229,12 +242,17 @@ def _shards(base: hf.Checkpoint, names: list[str],
   return safetensors_io.plan_shards(entries, plan.shard_bytes)
 
 
-def _finish(base: str, partial: str, output: str, shards: list[safetensors_io.Shard]) -> None:
+def _finish(base: str, partial: str, output: str, shards: list[safetensors_io.Shard],
+            config: dict | None = None) -> None:
+  """The index, the base's model config (or `config`, a sliced merge's) and tokenizer files,
+  then `partial` put in place as `output`."""
   safetensors_io.write_index(partial, shards)
   if os.path.isdir(base):
     for name in _COPIED:
       if os.path.exists(os.path.join(base, name)):
         shutil.copy(os.path.join(base, name), os.path.join(partial, name))
+  if config:
+    atomic.write_json(os.path.join(partial, 'config.json'), config)
   atomic.replace_directory(partial, output)
   logging.info('merged checkpoint in %s', output)
 
@@ -287,7 +305,22 @@ def run(config, workdir: str) -> dict:
     raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
                     '.safetensors file)')
   models = [m.strip() for m in config.models.split(',') if m.strip()]
-  return merge(config.base, models, output, plan, overwrite=config.overwrite, recipe=recipe)
+  return merge(config.base, models, output, plan, overwrite=config.overwrite, recipe=recipe,
+               slices=_slices(config))
+
+
+def _slices(config) -> list | None:
+  """config.slices: a JSON list of {model: [first layer, end layer]}, or None."""
+  if not config.slices.strip():
+    return None
+  try:
+    slices = json.loads(config.slices)
+  except json.JSONDecodeError as e:
+    raise UserError(f'config.slices = {config.slices!r} is not JSON ({e})') from None
+  if not isinstance(slices, list) or not all(isinstance(s, dict) for s in slices):
+    raise UserError(f'config.slices = {config.slices!r}: a JSON list of {{model: [first layer, '
+                    'end layer]}, one object per slice')
+  return slices
 
 
 def _passthrough(config, output: str, recipe: str | None) -> dict:

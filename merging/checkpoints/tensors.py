@@ -32,14 +32,17 @@ class TensorMerge:
   with one call of the jitted `_edit_block`; `pool` runs each model's ranking in a thread."""
 
   def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
-               paths: Sequence[str], plan: plan_lib.Plan, pool: concurrent.futures.Executor):
+               paths: Sequence[str], plan: plan_lib.Plan, pool: concurrent.futures.Executor,
+               positions: dict[str, float] | None = None):
     self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
     self.paths = [base.path] + list(paths)
     self.labels = tuple(f'model_{i}' for i in range(len(tuned)))
     self.key = jax.random.PRNGKey(plan.seed)
     self.mesh = sharding.make_mesh()
     self.ranking = ranking.TensorRanking(base, tuned, plan, pool, self.key, self.labels)
-    self.positions = layered.positions(list(base.files)) if plan.layered else {}
+    # Each tensor's t for the values that vary by layer: over the output's layers, or as
+    # the caller plans them (over each slice's, `sliced.positions`).
+    self.positions = positions or (layered.positions(list(base.files)) if plan.layered else {})
 
   def prepare(self, name: str) -> dict:
     """What `block` needs of the tensor `name` (whose inputs' shapes and dtypes the job

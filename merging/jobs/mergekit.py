@@ -25,8 +25,10 @@ per vector (TIES' and DELLA's density, DARE's); a model that gives none takes me
 default. `passthrough` stacks the layer ranges of its `slices` (`merging.checkpoints.
 passthrough`); `tokenizer_source: base` keeps the base's tokenizer, as the merges do anyway.
 A parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
-accepted with a warning; any other key (slices with another method, a tokenizer union) is
-named in the error, never ignored.
+accepted with a warning; any other key (a tokenizer union, parameters per slice) is named in
+the error, never ignored. `slices` with another method merge layer ranges of the models into
+the output's layers (`merging.checkpoints.sliced`): every slice lists the same models, the
+base among them, and gradients run over each slice's layers, as mergekit plans them.
 """
 
 import json
@@ -57,8 +59,9 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
                     f'{sorted(methods.METHODS) + ["passthrough"]}')
   if name == 'passthrough':
     return _passthrough(config, doc, path)
+  slices = None
   if 'slices' in doc:
-    raise UserError(f'{path}: slices are supported here with merge_method passthrough only')
+    doc, slices = _sliced(doc, path)
   tokenizer = doc.get('tokenizer_source')
   if tokenizer not in (None, 'base') and tokenizer != doc.get('base_model'):
     raise UserError(f'{path}: tokenizer_source = {tokenizer!r}: the output takes the base '
@@ -144,6 +147,7 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   out.layered = json.dumps(varying) if varying else ''
   out.per_model = json.dumps(per_model_settings) if per_model_settings else ''
   out.dtype = str(doc.get('dtype') or '')
+  out.slices = json.dumps(slices) if slices else ''
   section = out[method.ours].to_dict() if method.ours in out else {}
   out[method.ours] = ml_collections.ConfigDict({**section, **settings})
   return out
@@ -181,6 +185,42 @@ def _passthrough(config: ml_collections.ConfigDict, doc: dict,
       'slices': json.dumps(slices), 'tokenizer': tokenizer or '',
       'scale': json.dumps(_value(given.get('scale', 1.0), path, 'parameters.scale'))})
   return out
+
+
+def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
+  """A recipe of slices merged with a method: `doc` with the models its slices list (the
+  first slice's order, each with its parameters), and each slice's {model: layer range}."""
+  if doc.get('models'):
+    raise UserError(f'{path}: give the models in models or in slices, not both')
+  slices, models = [], {}
+  for k, piece in enumerate(doc.get('slices') or []):
+    _check_keys(piece, ('sources',), path, f'slices[{k}].')
+    ranges = {}
+    for i, source in enumerate(piece.get('sources') or []):
+      where = f'slices[{k}].sources[{i}].'
+      _check_keys(source, ('model', 'layer_range', 'parameters'), path, where)
+      model, span = source.get('model'), source.get('layer_range')
+      _check_exists(model, path, where + 'model')
+      if not (isinstance(span, list) and len(span) == 2 and
+              all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+        raise UserError(f'{path}: {where}layer_range = {span!r}: [first, end)')
+      parameters = source.get('parameters') or {}
+      if models.setdefault(model, parameters) != parameters:
+        raise UserError(f'{path}: {where}parameters: {model} is given other parameters in an '
+                        'earlier slice; a model takes the same parameters in every slice here')
+      ranges[model] = span
+    if k and set(ranges) != set(slices[0]):
+      raise UserError(f'{path}: slices[{k}] merges {sorted(ranges)}, slices[0] '
+                      f'{sorted(slices[0])}; every slice merges the same models here')
+    slices.append(ranges)
+  if not slices:
+    raise UserError(f'{path}: slices lists no slice')
+  base = doc.get('base_model')
+  if base and base not in slices[0]:
+    raise UserError(f'{path}: base_model {base} is not a source of the slices; every slice '
+                    'gives the base a layer range too')
+  entries = [{'model': m, **({'parameters': p} if p else {})} for m, p in models.items()]
+  return {**{k: v for k, v in doc.items() if k != 'slices'}, 'models': entries}, slices
 
 
 def _read(path: str) -> dict:
