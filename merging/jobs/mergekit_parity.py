@@ -7,7 +7,7 @@ Each recipe of RECIPES (one or two per method, mergekit's defaults unless it say
 runs through both tools, each in its own process, whole process timed, on a small generated
 Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s, at
 TINY's size). The table reports each output's largest difference from mergekit's, and the
-ratio of their mean |θ − θ0| (a random method, DARE or DELLA, draws other masks than
+ratio of their Σ |θ − θ0| (a random method, DARE or DELLA, draws other masks than
 mergekit's: its outputs agree only in distribution, so that ratio is its measure). mergekit is
 not a dependency: it is run as the command given.
 """
@@ -48,12 +48,31 @@ RECIPES = {
     'nearswap': ('nearswap', True, '{t: 0.01}', None),
     'arcee_fusion': ('arcee_fusion', True, None, None),
 }
+# Recipes of slices: name -> (merge_method, global parameters, per slice the layer range of
+# the base then of each model merged).
+SLICED = {
+    'ties_slices': ('ties', '{density: 0.4, weight: 1.0}', [[(0, 1), (1, 2), (0, 1)],
+                                                            [(1, 2), (0, 1), (1, 2)]]),
+    'slerp_slices': ('slerp', '{t: [{filter: self_attn, value: [0, 1]}, {value: 0.5}]}',
+                     [[(0, 2), (0, 2)], [(1, 2), (0, 1)]]),
+}
+RECIPES.update({name: (method, True, parameters, None)
+                for name, (method, parameters, _) in SLICED.items()})
 _ONE_MODEL = ('slerp', 'nearswap', 'arcee_fusion')
 _TWO_MODELS = ('nuslerp',)
 
 
 def recipe(name: str, base: str, models: list[str]) -> str:
   """The YAML text of recipe `name` over the fixture's models."""
+  if name in SLICED:
+    method, parameters, slices = SLICED[name]
+    lines = [f'merge_method: {method}', f'base_model: {base}', f'parameters: {parameters}',
+             'slices:']
+    for ranges in slices:
+      lines.append('  - sources:')
+      for model, (first, end) in zip([base] + models, ranges):
+        lines += [f'    - model: {model}', f'      layer_range: [{first}, {end}]']
+    return '\n'.join(lines) + '\n'
   method, with_base, parameters, per_model = RECIPES[name]
   count = 1 if method in _ONE_MODEL else 2 if method in _TWO_MODELS else len(models)
   lines = [f'merge_method: {method}']
@@ -78,15 +97,20 @@ def _timed(command: list[str]) -> float:
 
 
 def compare(base: str, ours: str, theirs: str) -> dict:
-  """The largest |ours − theirs| and the ratio of mean |θ − θ0| over the tensors."""
+  """The largest |ours − theirs| and the ratio of Σ|θ − θ0| over the tensors the base holds
+  under the same name (a merge of slices may have more layers; where one of mergekit's
+  tensors is θ0 itself, a per-tensor ratio would not be defined)."""
   base_ckpt, a, b = hf.Checkpoint(base), hf.Checkpoint(ours), hf.Checkpoint(theirs)
-  largest, ratios = 0.0, []
+  largest, ours_moved, theirs_moved = 0.0, 0.0, 0.0
   for name in sorted(a.files):
-    x0 = base_ckpt.tensor(name).astype(np.float64)
     x, y = a.tensor(name).astype(np.float64), b.tensor(name).astype(np.float64)
     largest = max(largest, float(np.abs(x - y).max()))
-    ratios.append(np.abs(x - x0).mean() / max(np.abs(y - x0).mean(), 1e-30))
-  return {'max_difference': largest, 'mean_delta_ratio': float(np.mean(ratios))}
+    if name in base_ckpt.files:
+      x0 = base_ckpt.tensor(name).astype(np.float64)
+      ours_moved += np.abs(x - x0).sum()
+      theirs_moved += np.abs(y - x0).sum()
+  return {'max_difference': largest,
+          'mean_delta_ratio': float(ours_moved / max(theirs_moved, 1e-30))}
 
 
 def run(config, workdir: str) -> dict:
