@@ -282,7 +282,7 @@ def test_a_gradient_interpolates_over_the_layers_and_a_filter_picks_by_name():
 GRADIENT_SLERP = '''
 models:
   - model: {base}
-  - model: {model}
+  - model: {models[0]}
 merge_method: slerp
 base_model: {base}
 parameters:
@@ -296,17 +296,27 @@ dtype: float32
 '''
 
 
+FOUR_LAYERS = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
+
+
+def merged_by_recipe(tmp_path, template: str, **fields):
+  """The merge of mergekit YAML `template` (formatted with the 4-layer fixture's `base` and
+  `models` and `fields`) through the launch job: its output's, the base's and the models'
+  tensors."""
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), FOUR_LAYERS)
+  config = merge_checkpoints_config.get_config()
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
+                                  template.format(base=base, models=models, **fields))
+  config.output = str(tmp_path / 'out')
+  checkpoints.run(config, str(tmp_path))
+  return (reference.read_output(config.output), reference.read_output(base),
+          [reference.read_output(m) for m in models])
+
+
 def test_mergekits_gradient_slerp_example_runs_unchanged(tmp_path):
   """examples/gradient-slerp.yml (with local models, its `models:` form) on a 4-layer model:
   each tensor slerped at its own t, checked against numpy."""
-  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
-  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
-  config = merge_checkpoints_config.get_config()
-  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
-                                  GRADIENT_SLERP.format(base=base, model=models[0]))
-  config.output = str(tmp_path / 'out')
-  checkpoints.run(config, str(tmp_path))
-  out, theta0, theta1 = (reference.read_output(p) for p in (config.output, base, models[0]))
+  out, theta0, (theta1, *_) = merged_by_recipe(tmp_path, GRADIENT_SLERP)
   attention, mlp = np.array([0, 0.5, 0.3, 0.7, 1]), np.array([1, 0.5, 0.7, 0.3, 0])
   for n, x0 in theta0.items():
     layer = int(n.split('.')[2]) if n.startswith('model.layers.') else None
@@ -447,11 +457,16 @@ def test_a_passthrough_of_slices_stacks_and_renumbers_the_layers(tmp_path):
     ('[0, 1.5]', r'slices\[1\].sources\[0\].layer_range = \[0, 1.5\]'),
 ])
 def test_slices_outside_the_models_layers_are_refused(tmp_path, span, message):
-  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
-  _, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
-  text = FRANKENMERGE.format(a=models[0], b=models[1]).replace('[1, 4]', span)
+  assert_recipe_refused(tmp_path, lambda base, models: FRANKENMERGE.format(
+      a=models[0], b=models[1]).replace('[1, 4]', span), message)
+
+
+def assert_recipe_refused(tmp_path, text_of, message):
+  """The recipe text_of(base, models) over the 4-layer fixture is refused with `message`, and
+  nothing is written."""
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), FOUR_LAYERS)
   config = merge_checkpoints_config.get_config()
-  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
+  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text_of(base, models))
   config.output = str(tmp_path / 'out')
   with pytest.raises(UserError, match=message):
     checkpoints.run(config, str(tmp_path))
@@ -527,12 +542,12 @@ slices:
   - sources:
     - model: {base}
       layer_range: [0, 2]
-    - model: {model}
+    - model: {models[0]}
       layer_range: [0, 2]
   - sources:
     - model: {base}
       layer_range: [1, 4]
-    - model: {model}
+    - model: {models[0]}
       layer_range: [1, 4]
 merge_method: slerp
 base_model: {base}
@@ -548,14 +563,7 @@ dtype: float32
 def test_a_gradient_over_slices_runs_over_each_slices_own_layers(tmp_path):
   """examples/gradient-slerp.yml's slices form, in two slices of 2 and 3 layers: t of the
   attention goes 0, 1 over the first and 0, 0.5, 1 over the second, as mergekit plans it."""
-  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
-  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
-  config = merge_checkpoints_config.get_config()
-  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml',
-                                  GRADIENT_SLERP_SLICES.format(base=base, model=models[0]))
-  config.output = str(tmp_path / 'out')
-  checkpoints.run(config, str(tmp_path))
-  out, theta0, theta1 = (reference.read_output(p) for p in (config.output, base, models[0]))
+  out, theta0, (theta1, *_) = merged_by_recipe(tmp_path, GRADIENT_SLERP_SLICES)
   sources, attention_t = [0, 1, 1, 2, 3], [0, 1, 0, 0.5, 1]
   for layer, (source, t) in enumerate(zip(sources, attention_t)):
     for suffix in ('self_attn.q_proj.weight', 'mlp.up_proj.weight'):
@@ -583,15 +591,8 @@ def test_a_gradient_over_slices_runs_over_each_slices_own_layers(tmp_path):
      r'slices\[1\].sources\[1\].parameters: .* other parameters in an earlier slice'),
 ])
 def test_bad_slices_are_named_and_nothing_is_written(tmp_path, change, message):
-  shape = dict(hidden=16, layers=4, vocab=32, mlp=32, kv=16)
-  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), shape)
-  text = change(SLICED_TIES).format(base=base, a=models[0], b=models[1], c=models[2])
-  config = merge_checkpoints_config.get_config()
-  config.mergekit = mergekit_yaml(tmp_path / 'merge.yaml', text)
-  config.output = str(tmp_path / 'out')
-  with pytest.raises(UserError, match=message):
-    checkpoints.run(config, str(tmp_path))
-  assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')
+  assert_recipe_refused(tmp_path, lambda base, models: change(SLICED_TIES).format(
+      base=base, a=models[0], b=models[1], c=models[2]), message)
 
 
 @pytest.mark.parametrize('slices, message', [
