@@ -129,6 +129,11 @@ def lora_keys(module: str) -> tuple[str, str]:
   return f'{PREFIX}{module}.lora_A.weight', f'{PREFIX}{module}.lora_B.weight'
 
 
+def embedding_keys(module: str) -> tuple[str, str]:
+  """PEFT's saved names of an embedding's A (r × num_embeddings) and B (dim × r)."""
+  return f'{PREFIX}{module}.lora_embedding_A', f'{PREFIX}{module}.lora_embedding_B'
+
+
 def saved_key(module: str, parameter: str = 'weight') -> str:
   """PEFT's saved name of a parameter of a module saved whole (`modules_to_save`)."""
   return f'{PREFIX}{module}.{parameter}'

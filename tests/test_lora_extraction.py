@@ -52,7 +52,11 @@ def tiny_llama(torch, transformers, seed):
   return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_an_extracted_adapter_loads_in_peft_and_gives_the_fine_tuned_model(tmp_path):
+@pytest.mark.parametrize('embed_lora', [False, True], ids=['tables_saved', 'embed_lora'])
+def test_an_extracted_adapter_loads_in_peft_and_gives_the_fine_tuned_model(tmp_path,
+                                                                          embed_lora):
+  """Every matrix of the fine-tune changed at rank 2 (the token table and the head only with
+  embed_lora, which factors them: PEFT's embedding LoRA and a linear LoRA), the norms fully."""
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   peft = pytest.importorskip('peft')
@@ -62,19 +66,24 @@ def test_an_extracted_adapter_loads_in_peft_and_gives_the_fine_tuned_model(tmp_p
   rng = np.random.default_rng(1)
   with torch.no_grad():
     for name, p in tuned.named_parameters():
-      if p.ndim == 2 and 'embed' not in name and 'lm_head' not in name:
+      tables = 'embed' in name or 'lm_head' in name
+      if p.ndim == 2 and (embed_lora or not tables):
         p += torch.tensor(low_rank(rng, tuple(p.shape), 2, [0.3, 0.1]), dtype=p.dtype)
       elif 'norm' in name:
         p += 0.05 * torch.tensor(rng.normal(size=tuple(p.shape)), dtype=p.dtype)
   tuned.save_pretrained(tmp_path / 'tuned', safe_serialization=True)
   out = str(tmp_path / 'adapter')
   summary = checkpoints.merge(str(tmp_path / 'base'), [str(tmp_path / 'tuned')], out,
-                              checkpoints.Plan('extract_lora', {'rank': 2}))
+                              checkpoints.Plan('extract_lora', {'rank': 2,
+                                                                'embed_lora': embed_lora}))
+  factored = summary['extraction']['modules']
   assert all(m['rank'] == 2 and m['energy'] == pytest.approx(1.0, abs=1e-5)
-             for m in summary['extraction']['modules'].values())
+             for m in factored.values())
+  assert ('model.embed_tokens' in factored and 'lm_head' in factored) == embed_lora
   with open(os.path.join(out, 'adapter_config.json')) as f:
     config = json.load(f)
   assert config['r'] == config['lora_alpha'] == 2 and 'model.norm' in config['modules_to_save']
+  assert ('model.embed_tokens' in config['modules_to_save']) != embed_lora
   loaded = peft.PeftModel.from_pretrained(
       transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'base'), out).eval()
   ids = torch.tensor([[1, 5, 7, 30, 2, 11]])

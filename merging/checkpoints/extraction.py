@@ -2,9 +2,13 @@
 mergekit-extract-lora writes one.
 
 Each module with a 2-D weight (a linear layer, as PyTorch stores it: outputs × inputs) gets
-the truncated factors of its τ (`editing.lora.factor`); the modules LoRA cannot factor
-(embeddings and the head, whose rows are tokens; norms and other vectors) are saved whole
-in `modules_to_save`, with the fine-tuned weights, or left out (`whole='skip'`). A linear
+the truncated factors of its τ (`editing.lora.factor`); the modules LoRA does not factor
+(norms and other vectors; the token tables and the head unless `embed_lora`) are saved whole
+in `modules_to_save`, with the fine-tuned weights, or left out (`whole='skip'`). With
+`embed_lora`, as mergekit-extract-lora's --embed-lora, the head is factored as a linear layer
+and each token or position table (num_embeddings × dim) as PEFT's embedding LoRA, whose
+ΔW = (B A)ᵀ: the factors of τᵀ, saved as lora_embedding_A (r × num_embeddings) and
+lora_embedding_B (dim × r). A linear
 layer's changed bias has no place in a LoRA adapter (PEFT's lora_bias is not written) and is
 refused. adapter_config.json sets lora_alpha = r, so PEFT's scale α/r is 1, with a
 rank_pattern and alpha_pattern for the modules of fewer singular values. Every tensor is read
@@ -26,12 +30,14 @@ from editing.models import hf
 from editing.models import peft_adapter
 
 REPORT = 'extraction.json'
-_TABLES = ('embed', 'wte', 'wpe', 'lm_head', 'shared')  # token or position tables, the head
+_EMBEDDINGS = ('embed', 'wte', 'wpe', 'shared')  # token or position tables
+_HEAD = 'lm_head'
 
 
 @settings.declare(
-    whole=settings.choice('save', ('save', 'skip'), 'the modules LoRA cannot factor: saved '
+    whole=settings.choice('save', ('save', 'skip'), 'the modules LoRA does not factor: saved '
                           'whole in modules_to_save, or left out'),
+    embed_lora=settings.flag(False, 'factor the token tables (embedding LoRA) and the head too'),
     **lora.factor.settings)
 def options(**chosen) -> dict:
   """The extraction's settings (`factor`'s and `whole`), checked."""
@@ -48,20 +54,25 @@ def _modules(base: hf.Checkpoint) -> dict[str, dict[str, str]]:
   return modules
 
 
-def _factored(module: str, parameters: dict, base: hf.Checkpoint) -> bool:
+def _embedding(module: str) -> bool:
+  return any(table in module for table in _EMBEDDINGS)
+
+
+def _factored(module: str, parameters: dict, base: hf.Checkpoint, embed_lora: bool) -> bool:
   weight = parameters.get('weight')
+  tables = _embedding(module) or _HEAD in module
   return (weight is not None and len(base.header(weight)[0]) == 2 and
-          not any(table in module for table in _TABLES))
+          (embed_lora or not tables))
 
 
 def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dict,
           base_path: str) -> dict:
   """Writes the adapter of `tuned` over `base` into `directory`; returns what each module
   kept."""
-  factor_settings = {k: v for k, v in chosen.items() if k != 'whole'}
+  factor_settings = {k: v for k, v in chosen.items() if k not in ('whole', 'embed_lora')}
   tensors, ranks, energies, saved = {}, {}, {}, []
   for module, parameters in _modules(base).items():
-    if not _factored(module, parameters, base):
+    if not _factored(module, parameters, base, chosen['embed_lora']):
       if chosen['whole'] == 'save':
         saved.append(module)
         for parameter, name in parameters.items():
@@ -73,8 +84,9 @@ def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dic
                         f'no place for a changed {parameter} (PEFT\'s lora_bias is not written)')
     name = parameters['weight']
     delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
-    factors = lora.factor(delta, name=name, **factor_settings)
-    key_a, key_b = lora.lora_keys(module)
+    embedding = _embedding(module)
+    factors = lora.factor(delta.T if embedding else delta, name=name, **factor_settings)
+    key_a, key_b = (lora.embedding_keys if embedding else lora.lora_keys)(module)
     tensors[key_a], tensors[key_b] = factors.a, factors.b
     ranks[module], energies[module] = factors.a.shape[0], factors.energy
   if not ranks:
