@@ -86,8 +86,10 @@ def linear_layers(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray) 
       order.append('/'.join(context.module.path + ('kernel',)))
     return next_fun(*args, **kwargs)
 
+  # A new function each call: jax caches the trace of a function it has seen, and a cached
+  # trace would not call `record`.
   with nn.intercept_methods(record):
-    jax.eval_shape(apply_fn, params, images)
+    jax.eval_shape(lambda p, x: apply_fn(p, x), params, images)
   return list(dict.fromkeys(order))
 
 

@@ -611,3 +611,42 @@ def test_bad_slices_from_the_flags_are_named(tmp_path, slices, message):
   with pytest.raises(UserError, match=message):
     checkpoints.run(config, str(tmp_path))
   assert not os.path.exists(config.output) and not os.path.exists(config.output + '.partial')
+
+
+BREADCRUMBS_GRADIENT = '''
+models:
+  - model: {models[0]}
+  - model: {models[1]}
+merge_method: breadcrumbs
+base_model: {base}
+parameters: {{weight: 1.0, density: {density}, gamma: 0.05}}
+dtype: float32
+'''
+
+
+def test_breadcrumbs_density_may_vary_by_layer(tmp_path):
+  """density [0.2, 0.6] over 4 layers: each layer's tensors are those of the merge at that
+  layer's density, 0.2 + 0.4·ℓ/3 (and 0.2 outside the layers, at t = 0)."""
+  out, _, _ = merged_by_recipe(tmp_path / 'gradient', BREADCRUMBS_GRADIENT, density='[0.2, 0.6]')
+  at = [merged_by_recipe(tmp_path / f'layer{layer}', BREADCRUMBS_GRADIENT,
+                         density=0.2 + 0.4 * layer / 3)[0] for layer in range(4)]
+  for layer, at_layer in enumerate(at):
+    for n, x in at_layer.items():
+      if f'layers.{layer}.' in n or (layer == 0 and 'layers.' not in n):
+        np.testing.assert_allclose(out[n], x, rtol=0, atol=1e-7, err_msg=n)
+  last = 'model.layers.3.mlp.up_proj.weight'
+  assert np.abs(at[3][last] - at[0][last]).max() > 1e-4  # the densities keep other entries
+
+
+@pytest.mark.parametrize('parameters, message', [
+    ('{weight: 1.0, density: [0.5, 0.99], gamma: 0.05}', 'density \\+ gamma ≤ 1 throughout'),
+    ('{weight: 1.0, density: [0.2, 0.6], gamma: [0.01, 0.02, 0.03]}',
+     'gradients of different lengths'),
+    ('{weight: 1.0, density: [{filter: mlp, value: 0.3}, {value: 0.5}]}',
+     'per-module filters of it are not supported'),
+])
+def test_breadcrumbs_bands_that_cannot_vary_linearly_are_named(tmp_path, parameters, message):
+  text = BREADCRUMBS_GRADIENT.replace('{{weight: 1.0, density: {density}, gamma: 0.05}}',
+                                      parameters.replace('{', '{{').replace('}', '}}'))
+  assert_recipe_refused(tmp_path, lambda base, models: text.format(base=base, models=models),
+                        message)

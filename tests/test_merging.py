@@ -411,12 +411,15 @@ def numpy_regmean_plusplus(theta0, vectors, inputs, alpha):
 
 
 def test_regmean_plusplus_against_numpy():
+  """Twice over the same model: the second call finds its compiles cached, and must merge as
+  the first did."""
   theta0, apply_fn, vectors, inputs, data = blocks_problem()
-  merged = merging.get('regmean_plusplus').merge(vectors, theta0=theta0, apply_fn=apply_fn,
-                                                 data=data, alpha=0.9, batch_size=8)
   expected, _ = numpy_regmean_plusplus(theta0, vectors, inputs, alpha=0.9)
-  for path, value in flat(merged.delta).items():
-    np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-5, err_msg=path)
+  for _ in range(2):
+    merged = merging.get('regmean_plusplus').merge(vectors, theta0=theta0, apply_fn=apply_fn,
+                                                   data=data, alpha=0.9, batch_size=8)
+    for path, value in flat(merged.delta).items():
+      np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-5, err_msg=path)
 
 
 def test_regmean_plusplus_fits_each_layer_to_the_merged_models_own_inputs():

@@ -113,12 +113,8 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   for key, specs in differing.items():
     methods.place_per_model(key, specs, method, path, settings, varying, per_model_settings)
   if method.ours == 'breadcrumbs':
-    band = [values.get('density', 1.0), values.get('gamma', 0.01)]
-    if not all(isinstance(v, (int, float)) for v in band):
-      raise UserError(f'{path}: breadcrumbs takes one density and one gamma here (per-layer '
-                      'values of either are not supported)')
-    settings.update(methods.band(*(methods.number(v, path, k)
-                                   for v, k in zip(band, ('density', 'gamma')))))
+    _breadcrumbs_band(values.get('density', 1.0), values.get('gamma', 0.01), path, settings,
+                      varying)
   if method.base == 'optional':
     settings['task_space'] = bool(doc.get('base_model'))
 
@@ -185,6 +181,39 @@ def _passthrough(config: ml_collections.ConfigDict, doc: dict,
       'slices': json.dumps(slices), 'tokenizer': tokenizer or '',
       'scale': json.dumps(_value(given.get('scale', 1.0), path, 'parameters.scale'))})
   return out
+
+
+def _breadcrumbs_band(density: Any, gamma: Any, path: str, settings: dict,
+                      varying: dict) -> None:
+  """Breadcrumbs' band (top, bottom) of mergekit's density and gamma, each a number or a
+  gradient over the layers. Where neither clips (d < 1, d + γ ≤ 1 at every anchor), top = γ
+  and bottom = 1 − d − γ are linear in them, so gradients of d and γ are gradients of the
+  band, anchor by anchor; anything else is named."""
+  specs = {'density': density, 'gamma': gamma}
+  for key, spec in specs.items():
+    if not (layered.is_scalar(spec) or all(layered.is_scalar(v) for v in spec)):
+      raise UserError(f'{path}: breadcrumbs\' {key} is a number or a gradient here (per-module '
+                      'filters of it are not supported)')
+  lengths = {len(v) for v in specs.values() if not layered.is_scalar(v)}
+  if not lengths:
+    settings.update(methods.band(methods.number(density, path, 'density'),
+                                 methods.number(gamma, path, 'gamma')))
+    return
+  if len(lengths) > 1:
+    raise UserError(f'{path}: breadcrumbs\' density and gamma are gradients of different '
+                    'lengths; give them the same anchors')
+  count = lengths.pop()
+  anchors = {k: [methods.number(x, path, k)
+                 for x in (v if isinstance(v, list) else [v] * count)]
+             for k, v in specs.items()}
+  if any(d >= 1 or d + g > 1 for d, g in zip(anchors['density'], anchors['gamma'])):
+    raise UserError(f'{path}: breadcrumbs\' density and gamma vary by layer, and at some '
+                    'anchor density is 1 or density + gamma exceeds 1, where the band clips; '
+                    'give density + gamma ≤ 1 throughout')
+  top = anchors['gamma']
+  bottom = [1 - d - g for d, g in zip(anchors['density'], top)]
+  settings.update(top=top[0], bottom=bottom[0])
+  varying.update(top=top, bottom=bottom)
 
 
 def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:

@@ -36,6 +36,8 @@ RECIPES = {
     'dare_linear': ('dare_linear', True, None, _W),
     'breadcrumbs': ('breadcrumbs', True, '{gamma: 0.05}', _W),
     'breadcrumbs_ties': ('breadcrumbs_ties', True, '{gamma: 0.05}', _W),
+    'breadcrumbs_gradient': ('breadcrumbs', True, '{gamma: 0.05, density: [0.2, 0.6]}',
+                             ['{weight: 0.5}', '{weight: 1.0}', '{weight: 1.5}']),
     'della': ('della', True, '{epsilon: 0.1}', _W),
     'della_linear': ('della_linear', True, '{epsilon: 0.1}', _W),
     'sce': ('sce', True, '{select_topk: 0.5}', None),
