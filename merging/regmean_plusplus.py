@@ -52,12 +52,14 @@ def stages(kernels: Sequence[str]) -> list[tuple[str, ...]]:
   return grouped
 
 
-def _owner(path: str, stage: Sequence[str]) -> bool:
-  """Whether leaf `path` belongs to `stage`: its block, or its one layer's module."""
-  block = lines.block_of(stage[0])
-  if block is not None:
-    return lines.block_of(path) == block
-  return path.rpartition('/')[0] == stage[0].rpartition('/')[0]
+def _last_stage(path: str, order: Sequence[Sequence[str]]) -> int | None:
+  """The last stage leaf `path` belongs to (its block's, or its one layer's module's; a block
+  called twice apart is two stages), or None."""
+  owners = [index for index, stage in enumerate(order)
+            if (lines.block_of(path) == lines.block_of(stage[0])
+                if lines.block_of(stage[0]) is not None
+                else path.rpartition('/')[0] == stage[0].rpartition('/')[0])]
+  return owners[-1] if owners else None
 
 
 @settings.declare(
@@ -74,8 +76,10 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
   merged = {p: sum(d[p] for d in deltas) / len(deltas) for p in flat0}
   order = stages(regmean.linear_layers(apply_fn, theta0, images[0][:1]))
+  last_stage = {p: _last_stage(p, order) for p in flat0}
   for index, stage in enumerate(order):
-    later = {p for p in flat0 if any(_owner(p, s) for s in order[index:])}
+    # The leaves of this stage and those after it: task t's own in the model of its Grams.
+    later = {p for p, last in last_stage.items() if last is not None and last >= index}
     grams = []
     for delta, x in zip(deltas, images):
       params = {p: w0 + (delta[p] if p in later else merged[p]) for p, w0 in flat0.items()}

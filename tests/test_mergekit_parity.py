@@ -46,7 +46,7 @@ def test_the_job_compares_the_two_outputs(tmp_path):
   config.benchmark.update(job='mergekit', mergekit=stand_in(tmp_path), recipes='slerp')
   summary = mergekit_parity.run(config, str(tmp_path))
   result = summary['results']['slerp']
-  assert result['max_difference'] == 0 and result['mean_delta_ratio'] == 1.0
+  assert result['max_difference'] == 0 and result['delta_ratio'] == 1.0
 
 
 def test_compare_finds_the_largest_difference_and_the_ratio_of_deltas(tmp_path):
@@ -57,7 +57,7 @@ def test_compare_finds_the_largest_difference_and_the_ratio_of_deltas(tmp_path):
     hf.save(str(tmp_path / name), tensors, {}, shard_bytes=10**9)
   result = mergekit_parity.compare(*(str(tmp_path / n) for n in ('base', 'ours', 'theirs')))
   assert result['max_difference'] == 1.0
-  assert result['mean_delta_ratio'] == pytest.approx(4 / 3)
+  assert result['delta_ratio'] == pytest.approx(4 / 3)
 
 
 @pytest.mark.parametrize('settings, message', [

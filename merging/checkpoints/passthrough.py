@@ -33,7 +33,7 @@ from merging.checkpoints import layered
 from merging.checkpoints import pipeline
 
 _TABLES = ('embed', 'wte', 'wpe')
-LAYER_COUNTS = ('num_hidden_layers', 'n_layer', 'num_layers')
+_LAYER_COUNTS = ('num_hidden_layers', 'n_layer', 'num_layers')
 _COPIED = ('generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
            'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
 
@@ -159,7 +159,9 @@ def _write_config(slices: Sequence[Slice], directory: str, offset_total: int) ->
     return
   with open(path) as f:
     config = json.load(f)
-  for key in LAYER_COUNTS:
-    if key in config:
-      config[key] = offset_total
-  atomic.write_json(os.path.join(directory, 'config.json'), config)
+  atomic.write_json(os.path.join(directory, 'config.json'), with_layers(config, offset_total))
+
+
+def with_layers(config: dict, layers: int) -> dict:
+  """A model config with its layer count (under whichever name it has) set to `layers`."""
+  return {k: layers if k in _LAYER_COUNTS else v for k, v in config.items()}

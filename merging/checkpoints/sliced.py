@@ -25,10 +25,7 @@ class View:
 
   def __init__(self, ckpt: hf.Checkpoint, names: Mapping[str, str], layers: int):
     self.path, self._ckpt, self._names = ckpt.path, ckpt, dict(names)
-    self.config = dict(ckpt.config)
-    for key in passthrough.LAYER_COUNTS:
-      if key in self.config:
-        self.config[key] = layers
+    self.config = passthrough.with_layers(ckpt.config, layers)
     self.files = {out: ckpt.files[source] for out, source in self._names.items()}
 
   def header(self, name: str):
@@ -52,13 +49,18 @@ def check(slices: Slices, models: Sequence[str]) -> None:
                       f'layer range; got {given!r}')
     sizes = set()
     for model, span in piece.items():
-      if not (isinstance(span, Sequence) and len(span) == 2 and
-              all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+      if not is_layer_range(span):
         raise UserError(f'config.slices[{k}].{model} = {span!r}: a layer range [first, end)')
       sizes.add(span[1] - span[0])
     if len(sizes) != 1:
       raise UserError(f'config.slices[{k}]: its ranges hold {sorted(sizes)} layers; every '
                       'model gives a slice as many layers')
+
+
+def is_layer_range(span) -> bool:
+  """Whether `span` is a [first, end) pair of integers."""
+  return (isinstance(span, Sequence) and not isinstance(span, str) and len(span) == 2 and
+          all(isinstance(v, int) and not isinstance(v, bool) for v in span))
 
 
 def lengths(slices: Slices) -> list[int]:

@@ -42,6 +42,7 @@ from absl import logging
 import merging
 from editing.errors import UserError
 from merging.checkpoints import layered
+from merging.checkpoints import sliced
 from merging.jobs import mergekit_methods as methods
 
 _TOP_KEYS = ('models', 'slices', 'merge_method', 'base_model', 'parameters', 'dtype',
@@ -161,8 +162,7 @@ def _passthrough(config: ml_collections.ConfigDict, doc: dict,
                       f'got {len(sources)}')
     _check_keys(sources[0], ('model', 'layer_range'), path, f'slices[{i}].sources[0].')
     span = sources[0].get('layer_range')
-    if not (isinstance(span, list) and len(span) == 2 and
-            all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+    if not sliced.is_layer_range(span):
       raise UserError(f'{path}: slices[{i}].sources[0].layer_range = {span!r}: [first, end)')
     _check_exists(sources[0].get('model'), path, f'slices[{i}].sources[0].model')
     slices.append([sources[0]['model'], *span])
@@ -230,8 +230,7 @@ def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
       _check_keys(source, ('model', 'layer_range', 'parameters'), path, where)
       model, span = source.get('model'), source.get('layer_range')
       _check_exists(model, path, where + 'model')
-      if not (isinstance(span, list) and len(span) == 2 and
-              all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+      if not sliced.is_layer_range(span):
         raise UserError(f'{path}: {where}layer_range = {span!r}: [first, end)')
       parameters = source.get('parameters') or {}
       if models.setdefault(model, parameters) != parameters:

@@ -112,7 +112,7 @@ def compare(base: str, ours: str, theirs: str) -> dict:
       ours_moved += np.abs(x - x0).sum()
       theirs_moved += np.abs(y - x0).sum()
   return {'max_difference': largest,
-          'mean_delta_ratio': float(ours_moved / max(theirs_moved, 1e-30))}
+          'delta_ratio': float(ours_moved / max(theirs_moved, 1e-30))}
 
 
 def run(config, workdir: str) -> dict:
@@ -140,11 +140,11 @@ def run(config, workdir: str) -> dict:
                                      f'--config.mergekit={yaml_path}', f'--config.output={ours}',
                                      '--config.overwrite=True', f'--workdir={directory}']),
         **compare(base, ours, theirs)}
-  lines = ['recipe              max |editmerge − mergekit|   mean|Δ| ratio   editmerge s   '
+  lines = ['recipe              max |editmerge − mergekit|    Σ|Δ| ratio   editmerge s   '
            'mergekit s']
   for name, r in results.items():
     note = ' (random: other draws)' if name in RECIPES and RECIPES[name][0] in RANDOM else ''
-    lines.append(f'{name:19} {r["max_difference"]:26.2e} {r["mean_delta_ratio"]:15.4f} '
+    lines.append(f'{name:19} {r["max_difference"]:26.2e} {r["delta_ratio"]:15.4f} '
                  f'{r["editmerge_seconds"]:13.1f} {r["mergekit_seconds"]:12.1f}{note}')
   print('\n'.join(lines))
   summary = {'fixture': TINY, 'results': results}
