@@ -122,9 +122,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # pixels when it is not 0, over `steps` steps after compiling, with MFU against
   # `peak_flops` per device (0: a known accelerator's bf16 peak), beside PyTorch's eager step
   # (`torch`, on a CPU with torch installed), and the evaluator's throughput on `eval_batches`
-  # batches against the bare forward pass; 'merge_checkpoints' times
-  # streaming checkpoint merges against the I/O floor; 'mergekit' runs `recipes` (all: '')
-  # through the `mergekit` command given and editmerge, and compares them.
+  # batches against the bare forward pass; 'merge_checkpoints' times the streaming
+  # checkpoint merges of `recipes` (all: ''; merging/jobs/checkpoint_benchmark.py's cases)
+  # against the I/O floor; 'mergekit' runs `recipes` (all: '') through the `mergekit` command
+  # given and editmerge, and compares them.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
                                                     steps=20, image_size=0, peak_flops=0.0,
                                                     torch=True, eval_batches=4,

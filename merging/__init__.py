@@ -146,10 +146,11 @@ REGISTRY: dict[str, Method] = {
     'nearswap': Method(nearswap.merge, vectors=1, scaled=False),
     'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
                            whole_tensor=True, elementwise=False),
-    # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel; PEFT's
+    # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel (its merge is a
+    # disjoint mean, like TIES', and chose λ at the top of a grid to 2); PEFT's
     # add_weighted_adapter combines their factors (merging/peft_combinations.py).
-    'knots_ties': Method(knots.merge_ties, lambda_max=2.0, **_LOW_RANK),
-    'knots_dare': Method(knots.merge_dare, reads=('key',), lambda_max=2.0, **_LOW_RANK),
+    'knots_ties': Method(knots.merge_ties, lambda_max=3.0, **_LOW_RANK),
+    'knots_dare': Method(knots.merge_dare, reads=('key',), lambda_max=3.0, **_LOW_RANK),
     **{f'peft_{c}': Method(peft_combinations.of(c), reads=('key',), section='peft', **_LOW_RANK)
        for c in peft_combinations.COMBINATIONS},
     # LoRM fits one adapter to every task's layer inputs, as RegMean fits dense layers.

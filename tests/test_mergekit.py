@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import merge_checkpoints as merge_checkpoints_config
+from configs import quickstart
 from editing.errors import UserError
 from editing.models import hf
 from merging import checkpoints
@@ -650,3 +651,20 @@ def test_breadcrumbs_bands_that_cannot_vary_linearly_are_named(tmp_path, paramet
                                       parameters.replace('{', '{{').replace('}', '}}'))
   assert_recipe_refused(tmp_path, lambda base, models: text.format(base=base, models=models),
                         message)
+
+
+def test_the_checkpoint_benchmark_holds_each_case_against_the_floor_of_its_inputs(tmp_path):
+  config = quickstart.get_config('tiny')
+  config.benchmark.recipes = 'slerp,passthrough'
+  summary = checkpoint_benchmark.run(config, str(tmp_path), FOUR_LAYERS, runs=1)
+  results = summary['results']
+  assert set(results) == {'floor_1', 'slerp', 'passthrough'}  # one fine-tune: floor_1 alone
+  for name in ('slerp', 'passthrough'):
+    assert results[name]['floor_ratio'] == pytest.approx(
+        results[name]['seconds'] / results['floor_1']['seconds'])
+  assert summary['largest_tensor_bytes'] == 32 * 16 * 4  # the token table, float32
+  stacked = hf.Checkpoint(str(tmp_path / 'checkpoint_merged' / 'passthrough'))
+  assert stacked.config['num_hidden_layers'] == 4
+  config.benchmark.recipes = 'slerp,ties_global'
+  with pytest.raises(UserError, match=r"\['ties_global'\] are not checkpoint benchmark cases"):
+    checkpoint_benchmark.run(config, str(tmp_path), FOUR_LAYERS)

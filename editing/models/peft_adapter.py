@@ -192,6 +192,21 @@ def tensors_and_config(modules: dict[str, LowRank], base_path: str,
                          alpha_pattern={m: a for m, a in alphas.items() if a != alpha})
 
 
+def factors_over(base, directory: str) -> dict[str, Factors]:
+  """The factors of the adapter in `directory`, each checked to make a delta of its weight's
+  shape in `base` (an hf.Checkpoint): an adapter for another base is refused by name."""
+  found, _ = factors(directory)
+  for weight, f in found.items():
+    if weight not in base.files:
+      raise UserError(f'{directory}: adapts {weight}, which {base.path} does not hold')
+    shape = tuple(base.header(weight)[0])
+    if shape != (f.b.shape[0], f.a.shape[1]):
+      raise UserError(f'{directory}: the factors of {weight} make a {f.b.shape[0]} × '
+                      f'{f.a.shape[1]} delta, and {base.path} has {shape}: an adapter for '
+                      'another base')
+  return found
+
+
 class Adapted:
   """A base checkpoint with an adapter merged into it, read as an `hf.Checkpoint` is: each
   adapted weight is W + s·B A, computed in float32 and stored back in W's dtype (the weights
@@ -199,15 +214,7 @@ class Adapted:
 
   def __init__(self, base, directory: str):
     self.path, self.config, self._base = directory, base.config, base
-    self._factors, _ = factors(directory)
-    for weight, f in self._factors.items():
-      if weight not in base.files:
-        raise UserError(f'{directory}: adapts {weight}, which {base.path} does not hold')
-      shape = tuple(base.header(weight)[0])
-      if shape != (f.b.shape[0], f.a.shape[1]):
-        raise UserError(f'{directory}: the factors of {weight} make a {f.b.shape[0]} × '
-                        f'{f.a.shape[1]} delta, and {base.path} has {shape}: an adapter for '
-                        'another base')
+    self._factors = factors_over(base, directory)
     adapter = os.path.join(directory, ADAPTER)
     self.files = {n: adapter if n in self._factors else f for n, f in base.files.items()}
     # The blocks of one tensor are read one after another: its adapted weight is made once.

@@ -22,7 +22,7 @@ def write(base, adapters, directory: str, plan, base_path: str) -> dict:
   if plan.layered or plan.per_model:
     raise UserError(f'config.method = {plan.method}: a LoRA-space merge takes one value per '
                     'setting; config.layered and config.per_model are for dense merges')
-  found = [peft_adapter.factors(a)[0] for a in adapters]
+  found = [peft_adapter.factors_over(base, a) for a in adapters]
   for path, factors in zip(adapters[1:], found[1:]):
     if factors.keys() != found[0].keys():
       raise UserError(f'{path} adapts other modules than {adapters[0]}: '
@@ -31,10 +31,7 @@ def write(base, adapters, directory: str, plan, base_path: str) -> dict:
   for path, factors in zip(adapters, found):
     delta = {}
     for weight, (a, b, scale) in factors.items():
-      shape = tuple(base.header(weight)[0]) if weight in base.files else None
-      if shape != (b.shape[0], a.shape[1]):
-        raise UserError(f'{path}: the factors of {weight} make a {b.shape[0]} × {a.shape[1]} '
-                        f'delta, and the base has {shape}: an adapter for another base')
+      shape = (b.shape[0], a.shape[1])
       delta[weight[:-len('.weight')]] = LowRank(b, a, np.float32(scale), shape[::-1])
     vectors.append(TaskVector(delta, (path,), 'lora', base_path))
   method = merging.get(plan.method)

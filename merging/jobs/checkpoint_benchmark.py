@@ -3,36 +3,81 @@
 The fixture (hidden 1024, 8 layers, vocabulary 32,000, MLP 2,048, grouped key/value heads of
 256: about 136M parameters, float32, about 545 MB a model) is a base and three fine-tunes,
 written once to <workdir>/checkpoint_fixture. Each measurement runs in its own process, so its
-peak RSS is its own:
+peak RSS is its own. `CASES` holds one measurement per streamed method, with the fine-tuned
+models it takes (SLERP and the one-model methods fewer), and the floors they are held against:
 
-  floor            read every input tensor once, add them, write the output: the merge's
-                   own blocked reads, threads and writes around a numpy sum
-  task_arithmetic  θ0 + Σ τ_t through merging.checkpoints
-  ties             TIES at density 0.2, per tensor, through the same
-  tsv_m, iso_cts   the SVD-era merges, each 2-D tensor held whole for its SVDs
+  floor_<N>   read the base and N fine-tunes once, add them, write the sum: the merge's own
+              blocked reads, threads and writes around a numpy sum
+  <method>    the method through `merging.checkpoints`, at the settings given (the rest at
+              their declared defaults), over the first N fine-tunes
+  passthrough the base's first four layers stacked on a fine-tune's last four (mergekit's
+              `slices`), against floor_1
 
-They run in turn, each `REPEATS[what]` times over (the machine's noise moves all of them; the
-floor's first read may also find a cold page cache), and each reports its fastest run. The table
-reports wall time, its ratio to the floor, peak RSS and its ratio to the largest tensor's size.
+They run in turn, each `runs` times over (the machine's noise moves all of them; the floor's
+first read may also find a cold page cache), and each reports its fastest run. The table
+reports wall time, its ratio to the floor of the same inputs, peak RSS and its ratio to the
+largest tensor's size.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from editing import atomic
+from editing.errors import UserError
 from editing.models import hf
 from merging import checkpoints
+from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
 
-# The SVD merges run for minutes, where a second of noise is lost in the ratio.
-REPEATS = {'floor': 5, 'task_arithmetic': 5, 'ties': 5, 'tsv_m': 1, 'iso_cts': 1}
-SETTINGS = {'ties': {'density': 0.2, 'scope': 'tensor'}}
+
+class Case(NamedTuple):
+  method: str  # a checkpoint merge's method, 'floor' or 'passthrough'
+  settings: dict = {}
+  models: int = 3  # the fine-tunes it merges, the first ones of the fixture
+  runs: int = 1
+
+
+# The fast ones run five times, where a tenth of a second of noise moves the ratio; the SVD
+# merges and WUDI run for minutes, where it is lost.
+CASES = {
+    'floor_3': Case('floor', runs=5),
+    'floor_2': Case('floor', models=2, runs=3),
+    'floor_1': Case('floor', models=1, runs=3),
+    'passthrough': Case('passthrough', models=1, runs=3),
+    'averaging': Case('averaging', runs=3),
+    'task_arithmetic': Case('task_arithmetic', runs=5),
+    'ties': Case('ties', {'density': 0.2, 'scope': 'tensor'}, runs=5),
+    'dare_ties': Case('dare', {'p': 0.5, 'then': 'ties', 'density': 1.0, 'scope': 'tensor',
+                               'rescale': 'l1_norm'}, runs=3),
+    'dare_linear': Case('dare', {'p': 0.5, 'rescale': 'l1_norm'}, runs=3),
+    'breadcrumbs_ties': Case('breadcrumbs', {'top': 0.01, 'bottom': 0.19, 'elect_sign': True},
+                             runs=3),
+    'della': Case('della', {'density': 0.5, 'epsilon': 0.1}, runs=3),
+    'sce': Case('sce', {'select_topk': 0.5}, runs=3),
+    'consensus': Case('consensus', runs=3),
+    'magmax': Case('magmax', runs=3),
+    'model_stock': Case('model_stock', runs=3),
+    'slerp': Case('slerp', {'t': 0.5}, models=1, runs=3),
+    'nuslerp': Case('nuslerp', models=2, runs=3),
+    'multislerp': Case('multislerp', runs=3),
+    'karcher': Case('karcher', runs=3),
+    'nearswap': Case('nearswap', {'t': 1e-3}, models=1, runs=3),
+    'arcee_fusion': Case('arcee_fusion', models=1, runs=3),
+    'negation': Case('negation', models=1, runs=3),
+    'extract_lora': Case('extract_lora', {'rank': 16}, models=1, runs=3),
+    'tsv_m': Case('tsv_m'),
+    'iso_c': Case('iso_c'),
+    'iso_cts': Case('iso_cts'),
+    'wudi': Case('wudi'),
+}
 SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
 
 
@@ -77,12 +122,14 @@ def make_fixture(directory: str, shape: dict = SHAPE) -> tuple[str, list[str]]:
   return base_dir, models
 
 
-def measure(what: str, base: str, models: list[str], output: str) -> dict:
-  """One measurement in this process: seconds and peak RSS. The clock starts once JAX's
-  backend is up, a cost of the process (like its imports), not of the merge."""
+def measure(name: str, base: str, models: list[str], output: str) -> dict:
+  """CASES[name] in this process: seconds and peak RSS. The clock starts once JAX's backend is
+  up, a cost of the process (like its imports), not of the merge."""
+  case = CASES[name]
+  models = models[:case.models]
   jax.devices()
   start = time.time()
-  if what == 'floor':
+  if case.method == 'floor':
     inputs = [hf.Checkpoint(p) for p in [base] + models]
     entries = [(n, *inputs[0].header(n)) for n in sorted(inputs[0].files)]
 
@@ -94,8 +141,13 @@ def measure(what: str, base: str, models: list[str], output: str) -> dict:
     # The merge's own reads, threads and writes, a numpy sum in place of the merge.
     pipeline.write_streamed(os.path.join(output, hf.SINGLE), entries, lambda name: name, add,
                             checkpoints.Plan.prefetch)
+  elif case.method == 'passthrough':
+    layers = hf.Checkpoint(base).config['num_hidden_layers']
+    half = layers // 2
+    passthrough.run([passthrough.Slice(base, 0, half), passthrough.Slice(models[0], half, layers)],
+                    output, overwrite=True)
   else:
-    checkpoints.merge(base, models, output, checkpoints.Plan(what, SETTINGS.get(what, {})),
+    checkpoints.merge(base, models, output, checkpoints.Plan(case.method, case.settings),
                       overwrite=True)
   return {'seconds': time.time() - start, 'peak_rss_bytes': _peak_rss()}
 
@@ -108,29 +160,45 @@ def _peak_rss() -> int:
   return int(line.split()[1]) * 1024
 
 
-def run(config, workdir: str) -> dict:
-  del config
-  base, models = make_fixture(os.path.join(workdir, 'checkpoint_fixture'))
-  largest = SHAPE['vocab'] * SHAPE['hidden'] * 4  # the embedding, float32
+def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> dict:
+  """Every case of `config.benchmark.recipes` (comma-separated; all: '') and the floors they
+  are held against, on the fixture of `shape`, each run its `runs` times (at most `runs`, if
+  given); writes <workdir>/checkpoint_benchmark.json."""
+  chosen = [r for r in config.benchmark.recipes.split(',') if r] or list(CASES)
+  unknown = sorted(set(chosen) - set(CASES))
+  if unknown:
+    raise UserError(f'config.benchmark.recipes: {unknown} are not checkpoint benchmark cases; '
+                    f'known: {list(CASES)}')
+  floors = {f'floor_{CASES[c].models}' for c in chosen}
+  cases = {c: CASES[c] for c in CASES if c in floors or c in chosen}
+  base, models = make_fixture(os.path.join(workdir, 'checkpoint_fixture'), shape)
+  fixture = hf.Checkpoint(base)
+  largest = max(math.prod(shape) * dtype.itemsize
+                for shape, dtype in map(fixture.header, fixture.files))
   results = {}
-  for repeat in range(max(REPEATS.values())):
-    for what in [w for w, count in REPEATS.items() if repeat < count]:
-      output = os.path.join(workdir, 'checkpoint_merged', what)
+  runs_of = {n: min(c.runs, runs or c.runs) for n, c in cases.items()}
+  for repeat in range(max(runs_of.values())):
+    for name in [n for n in cases if repeat < runs_of[n]]:
+      output = os.path.join(workdir, 'checkpoint_merged', name)
       code = ('import json, sys; from merging.jobs import checkpoint_benchmark as b; print('
               'json.dumps(b.measure(*sys.argv[1:3], sys.argv[3].split(","), sys.argv[4])))')
-      proc = subprocess.run([sys.executable, '-c', code, what, base, ','.join(models), output],
-                            capture_output=True, text=True, check=True)
-      run = json.loads(proc.stdout.strip().splitlines()[-1])
-      if what not in results or run['seconds'] < results[what]['seconds']:
-        results[what] = run
-  floor = results['floor']['seconds']
-  lines = ['method            wall s   × floor   peak RSS MB   × largest tensor']
-  for what, r in results.items():
-    r['floor_ratio'] = r['seconds'] / floor
+      proc = subprocess.run([sys.executable, '-c', code, name, base, ','.join(models), output],
+                            capture_output=True, text=True)
+      if proc.returncode:
+        raise RuntimeError(f'checkpoint benchmark case {name!r} failed:\n{proc.stderr[-4000:]}')
+      measured = json.loads(proc.stdout.strip().splitlines()[-1])
+      if name not in results or measured['seconds'] < results[name]['seconds']:
+        results[name] = measured
+  lines = ['case               models   wall s   × floor   peak RSS MB   × largest tensor']
+  for name, r in results.items():
+    models_merged = cases[name].models
+    r['models'] = models_merged
+    r['floor_ratio'] = r['seconds'] / results[f'floor_{models_merged}']['seconds']
     r['largest_tensor_ratio'] = r['peak_rss_bytes'] / largest
-    lines.append(f'{what:16} {r["seconds"]:7.1f} {r["floor_ratio"]:9.2f} '
+    lines.append(f'{name:18} {models_merged:6} {r["seconds"]:8.1f} {r["floor_ratio"]:9.2f} '
                  f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f}')
   print('\n'.join(lines))
-  summary = {'fixture': SHAPE, 'largest_tensor_bytes': largest, 'results': results}
+  summary = {'fixture': shape, 'largest_tensor_bytes': largest,
+             'settings': {n: c.settings for n, c in cases.items()}, 'results': results}
   atomic.write_json(os.path.join(workdir, 'checkpoint_benchmark.json'), summary)
   return summary
