@@ -76,10 +76,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.regimes = 'full'
 
   # The recipe search (launch.recipe_search): every regime fine-tuned on every task at each
-  # learning_rate × steps, the point of best mean validation accuracy chosen per regime, then
-  # the protocols run at each regime's own recipe.
+  # learning_rate × steps (at finetune.seed), the point of best mean validation accuracy chosen
+  # per regime, then the protocols run at each regime's own recipe, once per fine-tuning seed
+  # of `seeds` (mean ± std over them).
   config.recipe_search = ml_collections.ConfigDict(dict(
-      learning_rate=(3e-5, 1e-4, 3e-4, 1e-3), steps=(100, 300)))
+      learning_rate=(3e-5, 1e-4, 3e-4, 1e-3), steps=(100, 300), seeds=(0, 1, 2)))
 
   # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk
   # of per-example gradients scored at once.
@@ -148,7 +149,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.finetune.update(steps=12, batch_size=32, learning_rate=1e-3, warmup_steps=2,
                            checkpoint_every=6, log_every=6)
     config.talos.update(batch_size=8)
-    config.recipe_search.update(learning_rate=(1e-3, 3e-3), steps=(6, 12))
+    config.recipe_search.update(learning_rate=(1e-3, 3e-3), steps=(6, 12), seeds=(0,))
     config.eval.update(batch_size=64, alpha_step=0.25, disentanglement_points=3,
                        disentanglement_size=24)
   elif arg:

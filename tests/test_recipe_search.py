@@ -1,8 +1,10 @@
 """The recipe search: every point fine-tuned and scored on validation, the best chosen per
 regime and placed where the evaluation reads it, resumable."""
 
+import json
 import os
 
+import numpy as np
 import pytest
 
 from configs import quickstart
@@ -16,7 +18,7 @@ def tiny_search():
   config = quickstart.get_config('tiny')
   config.suite.tasks = 'colour,size'
   config.eval.disentanglement_pairs = 'colour:size'
-  config.recipe_search.update(learning_rate=(1e-4, 3e-3), steps=(6,))
+  config.recipe_search.update(learning_rate=(1e-4, 3e-3), steps=(6,), seeds=(0, 1))
   return config
 
 
@@ -50,6 +52,32 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
   assert result['evaluation']['regimes']['full']['finetuned']['colour']['val'] == pytest.approx(
       chosen['val']['colour'])
 
+  # Seed 1 fine-tunes every task again at the chosen recipe, in its own workdir's evaluation.
+  seeded = os.path.join(workdir, 'recipe_search', 'seed1')
+  for task in ('colour', 'size'):
+    with open(workdir_lib.task_vector_file(workdir, 'full', task), 'rb') as a, \
+        open(workdir_lib.task_vector_file(seeded, 'full', task), 'rb') as b:
+      assert a.read() != b.read()
+    with open(os.path.join(workdir_lib.finetune_dir(seeded, 'full', task),
+                           workdir_lib.JOB_CONFIG)) as f:
+      made = json.load(f)['finetune']
+    assert (made['seed'], made['learning_rate'], made['steps']) == (
+        1, chosen['learning_rate'], 6)
+  with open(os.path.join(seeded, 'results.json')) as f:
+    evaluations = [result['evaluation'], json.load(f)]
+  spread = result['seeds']['full']
+  assert spread['seeds'] == [0, 1]
+  for number, of in (
+      ('finetuned', lambda r: np.mean([r['finetuned'][t]['test'] for t in ('colour', 'size')])),
+      ('addition_normalized', lambda r: r['addition']['mean_normalized_test']),
+      ('negation_target', lambda r: np.mean([r['negation'][t]['target_test']
+                                             for t in ('colour', 'size')])),
+      ('xi', lambda r: np.mean(r['disentanglement']['xi']['colour:size']))):
+    values = [of(e['regimes']['full']) for e in evaluations]
+    assert spread['per_seed'][number] == pytest.approx(values)
+    assert spread['mean'][number] == pytest.approx(np.mean(values))
+    assert spread['std'][number] == pytest.approx(np.std(values, ddof=1))
+
   def no_training(*args, **kwargs):
     raise AssertionError('a finished point was fine-tuned again')
 
@@ -67,3 +95,12 @@ def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):
   with pytest.raises(UserError, match='other settings than any point'):
     recipe_search.run(config, workdir)
   assert not os.path.exists(os.path.join(workdir, 'recipe_search'))
+
+
+@pytest.mark.parametrize('seeds', [(), (0, 0), (1, -1)])
+def test_bad_seeds_are_named_before_any_work(tmp_path, seeds):
+  config = tiny_search()
+  config.recipe_search.seeds = seeds
+  with pytest.raises(UserError, match=r'config.recipe_search.seeds = .*: at least one'):
+    recipe_search.run(config, str(tmp_path))
+  assert not os.listdir(tmp_path)

@@ -8,9 +8,12 @@ criterion the papers fine-tune by; the best point is the regime's recipe (ties g
 steps, then the smaller rate). No test split is read before the choice.
 
 The chosen vectors are then put at <workdir>/finetune/<regime>/<task>/, where every job looks
-for them, and `editing.jobs.evaluate` runs addition, negation and ξ on them. The search is
-resumable: each finished fine-tune is reused, and <workdir>/recipe_search/results.json is
-rewritten after every point.
+for them, and `editing.jobs.evaluate` runs addition, negation and ξ on them. Each other seed of
+`config.recipe_search.seeds` fine-tunes every task again at the regime's chosen recipe with
+that `finetune.seed` (data order, and the initialisation of anything random) and is evaluated
+in <workdir>/recipe_search/seed<s>/; <workdir>/recipe_search/seeds.json holds each regime's
+numbers per seed, and their mean and standard deviation. The search is resumable: each finished
+fine-tune is reused, and <workdir>/recipe_search/results.json is rewritten after every point.
 """
 
 import json
@@ -28,17 +31,20 @@ from editing.jobs import evaluate
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
+from editing.jobs import report
 from editing.jobs import workdir as workdir_lib
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Searches every configured regime's recipe, then evaluates each regime at its own.
+  """Searches every configured regime's recipe, then evaluates each regime at its own, for
+  every seed.
 
   Returns {'search': {regime: {'points': [...], 'chosen': point}}, 'evaluation': the
-  evaluation's results}.
+  evaluation's results at config.finetune.seed, 'seeds': `over_seeds` of every seed's}.
   """
   checks.validate(config)
   grid = points(config)
+  seeds = _seeds(config)
   _check_targets(config, workdir, grid)
   pretrain.run(config, workdir)
   exp = experiment.Experiment.load(config, workdir)
@@ -68,7 +74,81 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       _place(_point_dir(root, regime.name, chosen['learning_rate'], chosen['steps'], task),
              workdir_lib.finetune_dir(workdir, regime.name, task))
   print(table(search))
-  return {'search': search, 'evaluation': evaluate.run(config, workdir)}
+  evaluation = evaluate.run(config, workdir)
+  by_seed = {config.finetune.seed: evaluation}
+  for seed in seeds:
+    if seed not in by_seed:
+      by_seed[seed] = _seed_run(config, workdir, exp.tasks, search, seed)
+  spread = over_seeds({s: by_seed[s] for s in seeds})
+  atomic.write_json(os.path.join(root, 'seeds.json'), spread)
+  print(seed_table(search, spread))
+  return {'search': search, 'evaluation': evaluation, 'seeds': spread}
+
+
+def _seeds(config: ml_collections.ConfigDict) -> list[int]:
+  seeds = list(config.recipe_search.seeds)
+  if not seeds or len(set(seeds)) != len(seeds) or \
+      not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+    raise UserError(f'config.recipe_search.seeds = {tuple(seeds)}: at least one fine-tuning '
+                    'seed, integers ≥ 0, none twice')
+  return seeds
+
+
+def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str], search: dict,
+              seed: int) -> dict:
+  """Every regime fine-tuned again at its chosen recipe with finetune.seed = `seed`, and
+  evaluated in a workdir of the seed's own (the same backbone and suite)."""
+  seeded = ml_collections.ConfigDict(config.to_dict())
+  seeded.finetune.seed = seed
+  root = os.path.join(workdir, 'recipe_search')
+  seed_workdir = os.path.join(root, f'seed{seed}')
+  pretrain.run(seeded, seed_workdir)
+  for regime in experiment.configured_regimes(config):
+    chosen = search[regime.name]['chosen']
+    point = ml_collections.ConfigDict(seeded.to_dict())
+    point.finetune.update(learning_rate=chosen['learning_rate'], steps=chosen['steps'])
+    for task in tasks:
+      logging.info('recipe search, %s at its recipe: seed %d, %s', regime.name, seed, task)
+      directory = _point_dir(root, regime.name, chosen['learning_rate'], chosen['steps'], task,
+                             seed)
+      finetune.run(point, workdir, task, regime, directory=directory)
+      _place(directory, workdir_lib.finetune_dir(seed_workdir, regime.name, task))
+  return evaluate.run(seeded, seed_workdir)
+
+
+def over_seeds(by_seed: dict[int, dict]) -> dict:
+  """{regime: {'seeds': [...], 'per_seed': {number: [one per seed]}, 'mean': {...}, 'std':
+  {...}}} of the `report.summary` numbers; std is the sample standard deviation (ddof 1; 0
+  for one seed)."""
+  seeds = list(by_seed)
+  out = {}
+  for regime in by_seed[seeds[0]]['regimes']:
+    rows = [report.summary(by_seed[s]['regimes'][regime]) for s in seeds]
+    per_seed = {k: [row[k] for row in rows] for k in report.SUMMARY}
+    measured = {k: [v for v in values if v is not None] for k, values in per_seed.items()}
+    out[regime] = {
+        'seeds': seeds, 'per_seed': per_seed,
+        'mean': {k: float(np.mean(v)) if v else None for k, v in measured.items()},
+        'std': {k: float(np.std(v, ddof=1)) if len(v) > 1 else (0.0 if v else None)
+                for k, v in measured.items()}}
+  return out
+
+
+def seed_table(search: dict, spread: dict) -> str:
+  """Each regime at its chosen recipe: mean ± std over the seeds of every summary number."""
+  header = ('regime', 'lr', 'steps', 'seeds', 'fine-tuned', 'addition', 'addition (norm.)',
+            'negation target', 'negation control', 'mean ξ')
+  rows = []
+  for regime, r in spread.items():
+    chosen = search[regime]['chosen']
+    cells = []
+    for k in report.SUMMARY:
+      scale, digits = (1, 3) if k == 'xi' else (100, 1)
+      cells.append('–' if r['mean'][k] is None else
+                   f'{scale * r["mean"][k]:.{digits}f} ± {scale * r["std"][k]:.{digits}f}')
+    rows.append([regime, f'{chosen["learning_rate"]:g}', str(chosen['steps']),
+                 str(len(r['seeds']))] + cells)
+  return report.fixed_width(header, rows)
 
 
 def points(config: ml_collections.ConfigDict) -> list[tuple[float, int]]:
@@ -118,8 +198,11 @@ def _check_targets(config, workdir: str, grid) -> None:
                         'recipe search')
 
 
-def _point_dir(root: str, regime: str, learning_rate: float, steps: int, task: str) -> str:
-  return os.path.join(root, regime, f'lr{learning_rate:g}_steps{steps}', task)
+def _point_dir(root: str, regime: str, learning_rate: float, steps: int, task: str,
+               seed: int | None = None) -> str:
+  """A point's fine-tune of `task`; with `seed`, its fine-tune at that other seed."""
+  point = f'lr{learning_rate:g}_steps{steps}' + ('' if seed is None else f'_seed{seed}')
+  return os.path.join(root, regime, point, task)
 
 
 def _place(source: str, target: str) -> None:

@@ -45,20 +45,33 @@ _COMPARISON_COLUMNS = ('regime', 'fine-tuned', 'addition', 'addition (norm.)',
                        'negation target', 'negation control', 'mean ξ')
 
 
+# What a regime's row reports: means over its tasks of test accuracy, and its mean ξ.
+SUMMARY = ('finetuned', 'addition', 'addition_normalized', 'negation_target', 'negation_control',
+           'xi')
+
+
+def summary(r: dict) -> dict[str, float | None]:
+  """One regime's results as the SUMMARY numbers (accuracies as fractions; ξ None if no pair
+  was measured)."""
+  names = r['tasks']
+  mean = lambda values: sum(values) / len(values)
+  return {'finetuned': mean([r['finetuned'][t]['test'] for t in names]),
+          'addition': r['addition']['mean_test'],
+          'addition_normalized': r['addition']['mean_normalized_test'],
+          'negation_target': mean([r['negation'][t]['target_test'] for t in names]),
+          'negation_control': mean([r['negation'][t]['control_test'] for t in names]),
+          'xi': r['disentanglement']['mean']}
+
+
+def _cell(name: str, value: float | None) -> str:
+  if value is None:
+    return '–'
+  return f'{value:.3f}' if name == 'xi' else f'{100 * value:.1f}'
+
+
 def _comparison_rows(results: dict) -> list[list[str]]:
-  rows = []
-  for regime, r in results['regimes'].items():
-    names = r['tasks']
-    mean = lambda values: 100 * sum(values) / len(values)
-    xi = r['disentanglement']['mean']
-    rows.append([regime,
-                 f'{mean([r["finetuned"][t]["test"] for t in names]):.1f}',
-                 f'{100 * r["addition"]["mean_test"]:.1f}',
-                 f'{100 * r["addition"]["mean_normalized_test"]:.1f}',
-                 f'{mean([r["negation"][t]["target_test"] for t in names]):.1f}',
-                 f'{mean([r["negation"][t]["control_test"] for t in names]):.1f}',
-                 '–' if xi is None else f'{xi:.3f}'])
-  return rows
+  return [[regime] + [_cell(k, v) for k, v in summary(r).items()]
+          for regime, r in results['regimes'].items()]
 
 
 def comparison_table(results: dict) -> str:
