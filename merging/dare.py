@@ -8,9 +8,11 @@ Free Lunch", ICML 2024:
 
 Peers draw the masks from a global RNG, so their result depends on the order of the vectors and
 of the parameters. Here task t's leaf at `path` draws from
-fold_in(fold_in(key, stable_hash(task)), stable_hash(path)). What holds, exactly:
+fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), a chunk of its entries at a time
+(`ops.kept_entries`). What holds, exactly:
 - each dropped vector τ̃_t is the same bits whatever the order of the vectors, the order of the
-  leaves, the device count or the sharding (it depends only on the key, its tasks and paths);
+  leaves, the device count, the sharding or the blocks a streamed merge reads (it depends only
+  on the key, its tasks and paths);
 - the merge of the same vectors in the same order is the same bits on any device count
   (tested on 1 and 8);
 - reordering the vectors changes only the float summation order of the merge: the same value
@@ -37,12 +39,16 @@ from merging import ties
 BASE_MERGES = ('task_arithmetic', 'ties')
 
 
+def vector_key(key: jax.Array, tasks: Sequence[str]) -> jax.Array:
+  """The key of the vector of `tasks`, from which each of its leaves draws (`ops.leaf_key`)."""
+  return jax.random.fold_in(key, tree_lib.stable_hash(','.join(tasks)))
+
+
 def drop(task_vectors: Sequence[TaskVector], ps: Sequence[float], key: jax.Array,
          rescale: str = 'probability') -> list[TaskVector]:
   """τ̃_t for every vector (vector t dropped with probability ps[t]), each keyed by its
   tasks' names."""
-  return [v.replace(delta=ops.drop_and_rescale(
-      v.delta, p, jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks))), rescale))
+  return [v.replace(delta=ops.drop_and_rescale(v.delta, p, vector_key(key, v.tasks), rescale))
           for v, p in zip(task_vectors, ps)]
 
 
@@ -58,15 +64,20 @@ def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, p: float, resca
           then: str,
           density: float, scope: str, normalize: bool | None,
           weights: Sequence[float] | None = None, per_vector: Mapping[str, Sequence] | None = None,
-          keep: Sequence[Any] | None = None) -> TaskVector:
+          keep: Sequence[Any] | None = None,
+          dropped: Sequence[Any] | None = None) -> TaskVector:
   """DARE followed by `then` (TIES reads density and scope), with its `weights` and
   `normalize` (None: `then`'s default); `per_vector` may give each vector its own p (and
   TIES' density: mergekit's per-model density); `keep`, TIES' masks of the dropped vectors
-  ranked beforehand (see `ties.trim`)."""
+  ranked beforehand (see `ties.trim`); `dropped`, each vector's τ̃ drawn beforehand (a
+  streamed block's, whose draws and L1 norms are its whole tensor's)."""
   check_compatible(task_vectors, 'dare')
   own = common.per_vector(per_vector, {'p': p, 'density': density}, len(task_vectors), merge,
                           'dare')
-  dropped = drop(task_vectors, [s['p'] for s in own], key, rescale)
+  if dropped is None:
+    dropped = drop(task_vectors, [s['p'] for s in own], key, rescale)
+  else:
+    dropped = [v.replace(delta=d) for v, d in zip(task_vectors, dropped)]
   options = {'weights': weights, **({} if normalize is None else {'normalize': normalize})}
   if then == 'task_arithmetic':
     return task_arithmetic.merge(dropped, **options)

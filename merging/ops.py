@@ -96,12 +96,46 @@ def combine(deltas: Sequence[PyTree], weights: Sequence[float] | None = None,
 RESCALES = ('probability', 'l1_norm')
 
 
-def rescale_l1(delta: jax.Array, masked: jax.Array, eps: float = 1e-7) -> jax.Array:
-  """m ⊙ δ scaled to δ's L1 norm, left as it is where either norm is below `eps` (mergekit's
+def l1_factor(before: jax.Array, after: jax.Array, eps: float = 1e-7) -> jax.Array:
+  """‖δ‖₁/‖m ⊙ δ‖₁ from the two norms, or 1 where either is below `eps` (mergekit's
   `rescaled_masked_tensor`)."""
-  before, after = jnp.abs(delta).sum(), jnp.abs(masked).sum()
   small = (before < eps) | (after < eps)
-  return masked * jnp.where(small, 1.0, before / jnp.where(small, 1.0, after))
+  return jnp.where(small, 1.0, before / jnp.where(small, 1.0, after))
+
+
+def rescale_l1(delta: jax.Array, masked: jax.Array, eps: float = 1e-7) -> jax.Array:
+  """m ⊙ δ scaled to δ's L1 norm, left as it is where either norm is below `eps`."""
+  return masked * l1_factor(jnp.abs(delta).sum(), jnp.abs(masked).sum(), eps)
+
+
+# DARE's draws: a leaf's entries, in row-major order, fall into chunks of DRAW_CHUNK, and
+# chunk c draws its keep mask from fold_in(leaf_key, c). A run of whole chunks (a block of a
+# streamed tensor) therefore draws the same bits as the leaf drawn whole, on any device count.
+DRAW_CHUNK = 64
+
+
+def leaf_key(key: jax.Array, path: str) -> jax.Array:
+  """The key a leaf's draws come from: fold_in(key, stable_hash(path))."""
+  return jax.random.fold_in(key, tree_lib.stable_hash(path))
+
+
+def kept_entries(key: jax.Array, q: float, first_chunk: Any, size: int) -> jax.Array:
+  """The flat keep mask, each entry kept with probability q, of the `size` entries from
+  first_chunk·DRAW_CHUNK on of the leaf whose key is `key` (`first_chunk` may be traced)."""
+  chunks = -(-size // DRAW_CHUNK)
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, first_chunk + jnp.arange(chunks))
+  draws = jax.vmap(lambda k: jax.random.bernoulli(k, q, (DRAW_CHUNK,)))(keys)
+  return draws.reshape(-1)[:size]
+
+
+def dropped(delta: jax.Array, keep: jax.Array, p: float, rescale: str,
+            factor: jax.Array | None = None) -> jax.Array:
+  """m ⊙ δ / (1 − p), or with rescale 'l1_norm' m ⊙ δ · ‖δ‖₁/‖m ⊙ δ‖₁; `factor`, if given,
+  that ratio found beforehand (a streamed block's, of its whole tensor)."""
+  if rescale == 'l1_norm':
+    masked = jnp.where(keep, delta, jnp.zeros_like(delta))
+    return rescale_l1(delta, masked) if factor is None else masked * factor
+  return jnp.where(keep, delta / (1 - p), jnp.zeros_like(delta))
 
 
 def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
@@ -109,18 +143,16 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
   """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE); with rescale='l1_norm',
   (1 − m) ⊙ τ scaled to τ's L1 norm per leaf instead.
 
-  Each leaf draws from fold_in(key, stable_hash(path)), so the result does not depend on the
-  traversal order, the device count or the sharding; p = 0 returns τ unchanged.
+  Each leaf draws from leaf_key(key, path), chunk by chunk (DRAW_CHUNK), so the result does
+  not depend on the traversal order, the device count, the sharding or the blocks a streamed
+  merge reads; p = 0 returns τ unchanged.
   """
   if p == 0:
     return delta
 
   def drop(path, d):
-    keep = jax.random.bernoulli(jax.random.fold_in(key, tree_lib.stable_hash(path)), 1 - p,
-                                d.shape)
-    if rescale == 'l1_norm':
-      return rescale_l1(d, jnp.where(keep, d, jnp.zeros_like(d)))
-    return jnp.where(keep, d / (1 - p), jnp.zeros_like(d))
+    keep = kept_entries(leaf_key(key, path), 1 - p, 0, d.size).reshape(d.shape)
+    return dropped(d, keep, p, rescale)
 
   return tree_lib.map_with_path(drop, delta)
 

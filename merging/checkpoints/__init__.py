@@ -5,7 +5,7 @@ are read lazily (`editing.models.hf.Checkpoint`: positioned reads of a tensor's 
 a whole model). For every tensor name, in sorted order, the N deltas τ_t = θ_t − θ0 (in
 float32) become one-leaf task vectors, the configured method merges them (the same function the
 suite's merges call; DARE's randomness is keyed by the tensor's name, so the bits depend neither
-on order nor on sharding), and θ0 + λ·τ_m is written in θ0's dtype:
+on order nor on sharding nor on the blocks), and θ0 + λ·τ_m is written in θ0's dtype:
 
   every data-free method of `merging` (averaging, task_arithmetic, ties, dare, breadcrumbs,
   consensus, magmax, tsv_m, iso_c, iso_cts, wudi, model_stock)
@@ -21,8 +21,9 @@ The package, by concern:
                (`editing.cuts`), per tensor (a large one a block at a time) or over a whole
                model (TIES' scope 'global')
   tensors.py   how a tensor is merged: a block by one jitted program (one program serves every
-               block, so a model compiles once per method and dtype), or whole, op by op under
-               its own name (DARE, whose draws span the tensor)
+               block, so a model compiles once per method and dtype; DARE's draws are keyed
+               by the tensor's name and chunk, so a block draws what the whole tensor would),
+               or whole, op by op under its own name (the SVD merges, DARE before a ranking)
   job.py       the job: checks, the lock, the recorded partial output and its resumption
 
 Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging

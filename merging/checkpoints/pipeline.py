@@ -38,7 +38,7 @@ def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype
   (1-D arrays of the entry's dtype) run `depth` ahead in threads while the caller writes the
   current one. File reads, numpy and XLA release the GIL, so reads, merges and writes overlap;
   in memory are the blocks in flight and what prepare keeps of _PREPARED_AHEAD + 1 tensors
-  (for DARE, each one merged whole)."""
+  (for the whole-tensor merges, each one merged whole)."""
   sizes = {name: math.prod(shape) for name, shape, _ in entries}
   with pool(_PREPARING) as preparing, pool(depth) as merges:
     prepared = ahead(prepare, list(sizes), _PREPARED_AHEAD, preparing)

@@ -189,8 +189,21 @@ class Plan:
 
   @property
   def whole_tensor(self) -> bool:
-    """Whether each tensor is merged whole (DARE's draws span its shape)."""
+    """Whether each tensor is merged whole (an SVD, a cosine; DARE unless `dare_in_blocks`)."""
+    if self.method == 'dare':
+      return not self.dare_in_blocks
     return self.method not in SINGLE_MODEL and merging.get(self.method).whole_tensor
+
+  @property
+  def dare_in_blocks(self) -> bool:
+    """DARE followed by task arithmetic, or by TIES keeping every entry (mergekit's dare_ties),
+    everywhere: its merge of an entry reads that entry of each input, a block's draws are its
+    own (`ops.kept_entries`), and an L1 rescale needs only the tensor's two norms, so it merges
+    a block at a time. TIES at a lower density ranks the dropped tensor whole."""
+    if self.method != 'dare' or any(f.split('.')[0] == 'density' for f, _ in self.layered):
+      return False
+    densities = [self.settings['density'], *dict(self.per_model).get('density', ())]
+    return self.settings['then'] == 'task_arithmetic' or all(d == 1 for d in densities)
 
   @property
   def elementwise(self) -> bool:

@@ -1,5 +1,6 @@
 """How each tensor of a streamed merge is merged: through the same `merging` function the suite
-calls, a block at a time by one jitted program, or whole (DARE)."""
+calls, a block at a time by one jitted program, or whole (the SVD merges; DARE before a TIES
+ranking)."""
 
 import concurrent.futures
 import functools
@@ -17,6 +18,8 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
+from merging import dare
+from merging import ops
 from merging.checkpoints import layered
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
@@ -53,14 +56,37 @@ class TensorMerge:
     state = {'name': name, 'dtype': dtype, 'plan': plan}
     if not jnp.issubdtype(dtype, jnp.floating):
       state['copy'] = True  # integer buffers (position ids, masks) are not weights
-    elif plan.whole_tensor:
+    elif self.plan.whole_tensor:  # decided for the whole model, whatever varies by layer
       state['merged'] = self._merge_whole(name, shape, plan)
     elif plan.ranked:
       state['cuts'] = self.ranking.cuts(name, size, plan)
+    elif plan.method == 'dare':
+      state['draws'] = self._draws(name, size, dtype, plan)
     return state
 
+  def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan) -> tuple:
+    """What a DARE merged in blocks draws from for the tensor `name`: each model's key of it
+    (`dare.vector_key`, `ops.leaf_key`, as `dare.drop` keys it) and, for an L1 rescale, each
+    model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor, summed by a pass over its blocks first."""
+    keys = jnp.stack([ops.leaf_key(dare.vector_key(self.key, (label,)), name)
+                      for label in self.labels])
+    if plan.settings['rescale'] != 'l1_norm':
+      return keys, None
+    # Summed on the host in float64: the same bits on any device count.
+    norms = np.zeros((len(self.tuned), 2))
+    for start, stop in pipeline.blocks(size):
+      buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
+                                    dtype)
+      masks = np.asarray(_keep_masks(plan, keys, start // ops.DRAW_CHUNK, pipeline.BLOCK))
+      for i, theta in enumerate(buffers[1:]):
+        magnitudes = np.abs(pipeline.host_delta(theta, buffers[0]))
+        norms[i] += (magnitudes.sum(dtype=np.float64),
+                     np.where(masks[i], magnitudes, 0).sum(dtype=np.float64))
+    return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32))
+
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
-    """A tensor merged whole, op by op under its own name (DARE), flat, as written."""
+    """A tensor merged whole, op by op under its own name (an SVD merge; DARE before a TIES
+    ranking), flat, as written."""
     base = self.base.tensor(name)
     thetas = [c.tensor(name) for c in self.tuned]
     _check_finite(self.plan, name, self.paths,
@@ -91,7 +117,9 @@ class TensorMerge:
     buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK, state['dtype'])
     if not self.plan.allow_nonfinite:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
-    block_cuts = None
+    block_cuts = draws = None
+    if 'draws' in state:
+      draws = (*state['draws'], start // ops.DRAW_CHUNK)
     if 'cuts' in state:
       block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
                                    np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
@@ -100,7 +128,7 @@ class TensorMerge:
     # it, after which this thread may read into them again.
     inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
               else buffers)
-    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts))
+    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts, draws))
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
@@ -130,19 +158,36 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str], finite: 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
-                block_cuts: list | None) -> jax.Array:
+                block_cuts: list | None, draws: tuple | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
   is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, the masks a method
-  ranks drawn from their cuts (relative to the block)."""
+  ranks drawn from their cuts (relative to the block), DARE's τ̃ from the tensor's `draws`
+  (each model's key, its L1 factors or None, and the block's first chunk)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
-  keep = None
+  keep = dropped = None
   if block_cuts is not None:
     keep = []
     for vector, model_cuts in zip(vectors, block_cuts):
       masks = [cuts.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
       keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
-  return edit(plan, {_LEAF: base}, vectors, None, keep)[_LEAF]
+  if draws is not None:
+    keys, factors, chunk = draws
+    dropped = []
+    for i, vector in enumerate(vectors):
+      p, delta = plan.model_setting('p', i), vector.delta[_LEAF]
+      if p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
+        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - p, chunk, delta.size), p,
+                            plan.settings['rescale'], None if factors is None else factors[i])
+      dropped.append({_LEAF: delta})
+  return edit(plan, {_LEAF: base}, vectors, None, keep, dropped)[_LEAF]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, chunk: jax.Array, size: int) -> jax.Array:
+  """Each model's DARE keep mask of the `size` entries of a tensor from chunk `chunk` on."""
+  return jnp.stack([ops.kept_entries(key, 1 - plan.model_setting('p', i), chunk, size)
+                    for i, key in enumerate(keys)])
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
@@ -163,9 +208,11 @@ def task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> 
           for theta, label in zip(tuned, labels)]
 
 
-def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None) -> dict:
+def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None,
+         dropped=None) -> dict:
   """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
-  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, the masks ranked beforehand."""
+  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, the masks ranked beforehand;
+  `dropped`, DARE's τ̃ drawn beforehand."""
   if plan.method == 'extract':
     return dict(vectors[0].delta)
   if plan.method == 'negation':
@@ -180,6 +227,8 @@ def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=
       reads['per_vector'] = {k: list(v) for k, v in plan.per_model}
     if keep is not None:
       reads['keep'] = keep
+    if dropped is not None:
+      reads['dropped'] = dropped
     merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
   return merged.apply_to(theta0, scale)
 
