@@ -24,22 +24,37 @@ from merging import common
 from merging import ops
 
 
-def interference(merged: jax.Array, matrices: jax.Array) -> jax.Array:
+def interference(merged: jax.Array, matrices: jax.Array, grams: jax.Array | None) -> jax.Array:
   """Σ_t ‖(τ − τ_t) τ_tᵀ‖²_F / ‖τ_t‖²_F, the matrices stacked on the first axis (a zero τ_t,
-  which nothing interferes with, adds 0 where the reference divides 0 by 0)."""
-  gaps = jnp.einsum('toi,tpi->top', merged[None] - matrices, matrices)
+  which nothing interferes with, adds 0 where the reference divides 0 by 0). For a matrix with
+  more outputs than inputs, through ‖A Bᵀ‖²_F = ⟨AᵀA, BᵀB⟩ and `grams` (`inputs_gram` of the
+  matrices): no (outputs × outputs) product is formed, 32,000² entries for an LLM's token
+  table; `grams` is None for the others, whose (outputs × outputs) product is the smaller."""
   norms = jnp.sum(matrices ** 2, axis=(1, 2))
-  return jnp.sum(jnp.sum(gaps ** 2, axis=(1, 2)) / jnp.where(norms > 0, norms, 1.0))
+  gaps = merged[None] - matrices
+  if grams is None:
+    terms = jnp.sum(jnp.einsum('toi,tpi->top', gaps, matrices) ** 2, axis=(1, 2))
+  else:
+    terms = jnp.sum(inputs_gram(gaps) * grams, axis=(1, 2))
+  return jnp.sum(terms / jnp.where(norms > 0, norms, 1.0))
+
+
+def inputs_gram(matrices: jax.Array) -> jax.Array | None:
+  """MᵀM (inputs × inputs) of each stacked matrix with more outputs than inputs, else None."""
+  if matrices.shape[1] <= matrices.shape[2]:
+    return None
+  return jnp.einsum('toi,toj->tij', matrices, matrices)
 
 
 @functools.partial(jax.jit, static_argnames=('steps', 'learning_rate'))
 def solve(matrices: jax.Array, *, steps: int, learning_rate: float) -> jax.Array:
   """τ_m of one layer's stacked task matrices."""
   optimizer = optax.adam(learning_rate)
+  grams = inputs_gram(matrices)
 
   def step(_, carry):
     merged, state = carry
-    grads = jax.grad(interference)(merged, matrices)
+    grads = jax.grad(interference)(merged, matrices, grams)
     updates, state = optimizer.update(grads, state)
     return optax.apply_updates(merged, updates), state
 

@@ -201,6 +201,21 @@ def test_wudi_lowers_the_interference_it_starts_from_and_follows_adam():
                              np.mean([flat(v)['blocks_0/mlp_fc/bias'] for v in vs], 0), rtol=1e-6)
 
 
+@pytest.mark.parametrize('shape', [(3, 12, 5), (3, 5, 12)], ids=['tall', 'wide'])
+def test_wudis_interference_of_tall_matrices_through_their_inputs_gram_is_the_papers(shape):
+  rng = np.random.default_rng(3)
+  ms, merged = rng.standard_normal(shape), rng.standard_normal(shape[1:])
+  ms[1] = 0  # a zero τ_t adds nothing
+  direct = sum(np.sum(((merged - t) @ t.T) ** 2) / np.sum(t ** 2) for t in ms[[0, 2]])
+  m32 = ms.astype(np.float32)
+  grams = wudi.inputs_gram(m32)
+  assert (grams is None) == (shape[1] < shape[2])
+  if grams is not None:
+    assert grams.shape == (3, shape[2], shape[2])  # inputs × inputs, never outputs × outputs
+  np.testing.assert_allclose(wudi.interference(merged.astype(np.float32), m32, grams), direct,
+                             rtol=1e-5)
+
+
 def test_layers_read_as_matrices_as_pytorch_holds_them():
   views = ops.matrices(vectors()[0].delta)
   assert views['blocks_1/attn/query/kernel'] == ops.Matrix(8, 8, True)
