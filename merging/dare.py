@@ -8,7 +8,7 @@ Free Lunch", ICML 2024:
 
 Peers draw the masks from a global RNG, so their result depends on the order of the vectors and
 of the parameters. Here task t's leaf at `path` draws from
-fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), a chunk of its entries at a time
+fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), entry i from fold_in of that with i
 (`ops.kept_entries`). What holds, exactly:
 - each dropped vector τ̃_t is the same bits whatever the order of the vectors, the order of the
   leaves, the device count, the sharding or the blocks a streamed merge reads (it depends only

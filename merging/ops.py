@@ -3,6 +3,7 @@ rescale; and for the SVD-era merges, each layer read as a matrix and the polar f
 deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
 Their arguments are the methods' settings, checked where each method declares them."""
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -108,24 +109,21 @@ def rescale_l1(delta: jax.Array, masked: jax.Array, eps: float = 1e-7) -> jax.Ar
   return masked * l1_factor(jnp.abs(delta).sum(), jnp.abs(masked).sum(), eps)
 
 
-# DARE's draws: a leaf's entries, in row-major order, fall into chunks of DRAW_CHUNK, and
-# chunk c draws its keep mask from fold_in(leaf_key, c). A run of whole chunks (a block of a
-# streamed tensor) therefore draws the same bits as the leaf drawn whole, on any device count.
-DRAW_CHUNK = 64
-
-
 def leaf_key(key: jax.Array, path: str) -> jax.Array:
   """The key a leaf's draws come from: fold_in(key, stable_hash(path))."""
   return jax.random.fold_in(key, tree_lib.stable_hash(path))
 
 
-def kept_entries(key: jax.Array, q: float, first_chunk: Any, size: int) -> jax.Array:
-  """The flat keep mask, each entry kept with probability q, of the `size` entries from
-  first_chunk·DRAW_CHUNK on of the leaf whose key is `key` (`first_chunk` may be traced)."""
-  chunks = -(-size // DRAW_CHUNK)
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, first_chunk + jnp.arange(chunks))
-  draws = jax.vmap(lambda k: jax.random.bernoulli(k, q, (DRAW_CHUNK,)))(keys)
-  return draws.reshape(-1)[:size]
+@functools.partial(jax.jit, static_argnames='size')
+def kept_entries(key: jax.Array, q: float, start: Any, size: int) -> jax.Array:
+  """The flat keep mask of entries [start, start + size) of the leaf whose key is `key`
+  (`start` may be traced; a leaf holds fewer than 2^32 entries): entry i is kept if
+  u_i < q, u_i the uniform that the first word w of fold_in(key, i) makes, (w >> 9)·2^-23, as
+  jax.random.uniform makes it. Entry i's draw is its own, so any run of entries (a block of a
+  streamed tensor) draws the bits the leaf drawn whole would, on any device count."""
+  index = jnp.asarray(start, jnp.uint32) + jnp.arange(size, dtype=jnp.uint32)
+  words = jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(key, index))[:, 0]
+  return (words >> 9).astype(jnp.float32) * 2.0**-23 < q
 
 
 def dropped(delta: jax.Array, keep: jax.Array, p: float, rescale: str,
@@ -143,9 +141,9 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
   """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE); with rescale='l1_norm',
   (1 − m) ⊙ τ scaled to τ's L1 norm per leaf instead.
 
-  Each leaf draws from leaf_key(key, path), chunk by chunk (DRAW_CHUNK), so the result does
-  not depend on the traversal order, the device count, the sharding or the blocks a streamed
-  merge reads; p = 0 returns τ unchanged.
+  Each leaf draws from leaf_key(key, path), an entry at a time (`kept_entries`), so the result
+  does not depend on the traversal order, the device count, the sharding or the blocks a
+  streamed merge reads; p = 0 returns τ unchanged.
   """
   if p == 0:
     return delta

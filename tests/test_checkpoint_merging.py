@@ -442,9 +442,9 @@ def test_merges_split_over_eight_devices_write_the_bytes_of_one(tmp_path, run_py
 
 @pytest.mark.parametrize('name', ['dare_linear', 'dare_ties_l1'])
 def test_dare_without_a_ranking_merges_a_block_at_a_time(tmp_path, monkeypatch, name):
-  """No tensor held whole (blocks of 64 entries), and a block's draws are its entries' own:
-  the in-memory merge's."""
-  monkeypatch.setattr(pipeline, 'BLOCK', 64)
+  """No tensor held whole (blocks of 48 entries, which divide no row), and a block's draws are
+  its entries' own: the in-memory merge's."""
+  monkeypatch.setattr(pipeline, 'BLOCK', 48)
   monkeypatch.setattr(tensors.TensorMerge, '_merge_whole',
                       lambda *args: pytest.fail('a tensor was merged whole'))
   base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
@@ -454,16 +454,17 @@ def test_dare_without_a_ranking_merges_a_block_at_a_time(tmp_path, monkeypatch, 
     assert_merged_equal(name, streamed[n], x, n)
 
 
-def test_a_leafs_draws_are_its_chunks_whoever_draws_them():
-  """DARE's keep mask of a run of whole chunks is that run of the leaf's mask drawn whole, and
-  keeps a share q of the entries."""
+def test_a_leafs_draws_are_its_entries_whoever_draws_them():
+  """DARE's keep mask of any run of a leaf's entries is that run of the leaf's mask drawn
+  whole, each entry kept with probability q, independently of its neighbours."""
   key = jax.random.PRNGKey(7)
   whole = np.asarray(ops.kept_entries(key, 0.3, 0, 1000))
-  for first, size in ((0, 64), (3, 128), (15, 40)):
-    start = first * ops.DRAW_CHUNK
-    np.testing.assert_array_equal(np.asarray(ops.kept_entries(key, 0.3, first, size)),
+  for start, size in ((0, 64), (192, 128), (37, 400), (999, 1)):
+    np.testing.assert_array_equal(np.asarray(ops.kept_entries(key, 0.3, start, size)),
                                   whole[start:start + size])
   many = np.asarray(ops.kept_entries(key, 0.3, 0, 200_000))
   assert abs(many.mean() - 0.3) < 5 * np.sqrt(0.3 * 0.7 / many.size)
-  chunks = many[:199_936].reshape(-1, ops.DRAW_CHUNK)
-  assert len({c.tobytes() for c in chunks}) == len(chunks)  # no chunk repeats another's draws
+  both = (many[1:] & many[:-1]).mean()  # neighbours kept together as often as independence says
+  assert abs(both - 0.09) < 5 * np.sqrt(0.09 * 0.91 / many.size)
+  assert not np.array_equal(whole, np.asarray(ops.kept_entries(jax.random.PRNGKey(8), 0.3, 0,
+                                                                1000)))

@@ -102,7 +102,7 @@ def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str],
   seeded.finetune.seed = seed
   root = os.path.join(workdir, 'recipe_search')
   seed_workdir = os.path.join(root, f'seed{seed}')
-  pretrain.run(seeded, seed_workdir)
+  _share_backbone(workdir, seed_workdir)
   for regime in experiment.configured_regimes(config):
     chosen = search[regime.name]['chosen']
     point = ml_collections.ConfigDict(seeded.to_dict())
@@ -114,6 +114,20 @@ def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str],
       finetune.run(point, workdir, task, regime, directory=directory)
       _place(directory, workdir_lib.finetune_dir(seed_workdir, regime.name, task))
   return evaluate.run(seeded, seed_workdir)
+
+
+def _share_backbone(workdir: str, seed_workdir: str) -> None:
+  """θ0, its record and its fitted heads copied from the search's workdir, once: every seed
+  edits the same backbone, which is not pretrained again."""
+  if os.path.exists(workdir_lib.pretrained_file(seed_workdir)):
+    return
+  source = workdir_lib.pretrain_dir(workdir)
+  with atomic.directory(workdir_lib.pretrain_dir(seed_workdir)) as tmp:
+    for name in (os.path.basename(workdir_lib.pretrained_file(workdir)), workdir_lib.JOB_CONFIG):
+      shutil.copy2(os.path.join(source, name), os.path.join(tmp, name))
+    heads = os.path.dirname(workdir_lib.head_file(workdir, 'any'))
+    if os.path.isdir(heads):
+      shutil.copytree(heads, os.path.join(tmp, os.path.basename(heads)))
 
 
 def over_seeds(by_seed: dict[int, dict]) -> dict:

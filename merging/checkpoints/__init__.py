@@ -22,7 +22,8 @@ The package, by concern:
                model (TIES' scope 'global')
   tensors.py   how a tensor is merged: a block by one jitted program (one program serves every
                block, so a model compiles once per method and dtype; DARE's draws are keyed
-               by the tensor's name and chunk, so a block draws what the whole tensor would),
+               by the tensor's name and each entry's index, so a block draws what the whole tensor
+               would),
                or whole, op by op under its own name (the SVD merges, DARE before a ranking)
   job.py       the job: checks, the lock, the recorded partial output and its resumption
 

@@ -77,7 +77,7 @@ class TensorMerge:
     for start, stop in pipeline.blocks(size):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
-      masks = np.asarray(_keep_masks(plan, keys, start // ops.DRAW_CHUNK, pipeline.BLOCK))
+      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), pipeline.BLOCK))
       for i, theta in enumerate(buffers[1:]):
         magnitudes = np.abs(pipeline.host_delta(theta, buffers[0]))
         norms[i] += (magnitudes.sum(dtype=np.float64),
@@ -119,7 +119,7 @@ class TensorMerge:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     block_cuts = draws = None
     if 'draws' in state:
-      draws = (*state['draws'], start // ops.DRAW_CHUNK)
+      draws = (*state['draws'], np.uint32(start))
     if 'cuts' in state:
       block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
                                    np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
@@ -162,7 +162,7 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
   """One block's edit as one XLA program, compiled once per dtype (the block
   is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, the masks a method
   ranks drawn from their cuts (relative to the block), DARE's τ̃ from the tensor's `draws`
-  (each model's key, its L1 factors or None, and the block's first chunk)."""
+  (each model's key, its L1 factors or None, and the block's first entry)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
@@ -172,21 +172,21 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
       masks = [cuts.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
       keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
   if draws is not None:
-    keys, factors, chunk = draws
+    keys, factors, start = draws
     dropped = []
     for i, vector in enumerate(vectors):
       p, delta = plan.model_setting('p', i), vector.delta[_LEAF]
       if p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
-        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - p, chunk, delta.size), p,
+        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - p, start, delta.size), p,
                             plan.settings['rescale'], None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
   return edit(plan, {_LEAF: base}, vectors, None, keep, dropped)[_LEAF]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, chunk: jax.Array, size: int) -> jax.Array:
-  """Each model's DARE keep mask of the `size` entries of a tensor from chunk `chunk` on."""
-  return jnp.stack([ops.kept_entries(key, 1 - plan.model_setting('p', i), chunk, size)
+def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int) -> jax.Array:
+  """Each model's DARE keep mask of the `size` entries of a tensor from entry `start` on."""
+  return jnp.stack([ops.kept_entries(key, 1 - plan.model_setting('p', i), start, size)
                     for i, key in enumerate(keys)])
 
 
