@@ -126,11 +126,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # batches against the bare forward pass; 'merge_checkpoints' times the streaming
   # checkpoint merges of `recipes` (all: ''; merging/jobs/checkpoint_benchmark.py's cases)
   # against the I/O floor; 'mergekit' runs `recipes` (all: '') through the `mergekit` command
-  # given and editmerge, and compares them.
+  # given and editmerge on a `fixture` ('tiny', or the checkpoint benchmark's 'benchmark'),
+  # and compares them.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
                                                     steps=20, image_size=0, peak_flops=0.0,
                                                     torch=True, eval_batches=4,
-                                                    mergekit='', recipes=''))
+                                                    mergekit='', recipes='', fixture='tiny'))
 
   # Devices: 0 means all visible ones, on a (data, fsdp, tensor) mesh whose data axis takes
   # what fsdp × tensor leave. Params are placed by the logical-axis rules of `preset` ('dp'

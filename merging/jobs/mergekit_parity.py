@@ -4,9 +4,10 @@
       --config.benchmark.mergekit=/path/to/bin/mergekit-yaml [--config.benchmark.recipes=ties,slerp]
 
 Each recipe of RECIPES (one or two per method, mergekit's defaults unless it says otherwise)
-runs through both tools, each in its own process, whole process timed, on a small generated
-Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s, at
-TINY's size). The table reports each output's largest difference from mergekit's, and the
+runs through both tools, each in its own process, whole process timed, on a generated
+Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s) of
+`config.benchmark.fixture`: 'tiny' (TINY's size, where start-up is most of the time) or
+'benchmark' (the checkpoint benchmark's 136M parameters a model). The table reports each output's largest difference from mergekit's, and the
 ratio of their Σ |θ − θ0| (a random method, DARE or DELLA, draws other masks than
 mergekit's: its outputs agree only in distribution, so that ratio is its measure). mergekit is
 not a dependency: it is run as the command given.
@@ -125,8 +126,13 @@ def run(config, workdir: str) -> dict:
   if unknown:
     raise UserError(f'config.benchmark.recipes: {unknown} are not recipes; known: '
                     f'{sorted(RECIPES)}')
-  base, models = checkpoint_benchmark.make_fixture(os.path.join(workdir, 'mergekit_fixture'),
-                                                   TINY)
+  fixtures = {'tiny': ('mergekit_fixture', TINY),
+              'benchmark': ('checkpoint_fixture', checkpoint_benchmark.SHAPE)}
+  if config.benchmark.fixture not in fixtures:
+    raise UserError(f'config.benchmark.fixture = {config.benchmark.fixture!r}: one of '
+                    f'{sorted(fixtures)}')
+  directory, shape = fixtures[config.benchmark.fixture]
+  base, models = checkpoint_benchmark.make_fixture(os.path.join(workdir, directory), shape)
   results = {}
   for name in names:
     directory = os.path.join(workdir, 'mergekit_parity', name)
@@ -147,6 +153,6 @@ def run(config, workdir: str) -> dict:
     lines.append(f'{name:19} {r["max_difference"]:26.2e} {r["delta_ratio"]:15.4f} '
                  f'{r["editmerge_seconds"]:13.1f} {r["mergekit_seconds"]:12.1f}{note}')
   print('\n'.join(lines))
-  summary = {'fixture': TINY, 'results': results}
+  summary = {'fixture': shape, 'results': results}
   atomic.write_json(os.path.join(workdir, 'mergekit_parity.json'), summary)
   return summary
