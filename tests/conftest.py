@@ -37,6 +37,20 @@ def compilation_cache_fixture(tmp_path_factory) -> dict[str, str]:
 TINY_REGIMES = ('full', 'talos')
 
 
+def pytest_collection_modifyitems(items):
+  """Files in collection order, but those that read the shared `tiny_run`: the quickstart's own
+  first, so that a pytest-xdist worker starts that run at once, and the others last, so that no
+  worker sits idle waiting for it while files that do not need it are left to run."""
+  readers = {item.path for item in items if 'tiny_run' in getattr(item, 'fixturenames', ())}
+
+  def place(item):
+    if item.path.name == 'test_quickstart.py':
+      return 0
+    return 2 if item.path in readers else 1
+
+  items.sort(key=place)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope='session', name='tiny_run')
 def tiny_run_fixture(tmp_path_factory, worker_id):
   """(config, workdir, results) of the quickstart on the tiny config in two regimes, run once
