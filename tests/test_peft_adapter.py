@@ -239,7 +239,7 @@ def test_a_checkpoint_merge_refuses_an_adapter_for_another_base_on_both_paths(tm
   tensors[name] = np.zeros((2, tensors[name].shape[1] + 1), np.float32)
   safetensors_io.save(os.path.join(models[1], peft_adapter.ADAPTER), tensors, metadata)
   for method in ('task_arithmetic', 'peft_cat'):  # W + s·B A, and a merge in LoRA space
-    with pytest.raises(UserError, match=rf'adapter1: the factors of .* make a \d+ × \d+ delta, '
+    with pytest.raises(UserError, match=r'adapter1: the factors of .* make a \d+ × \d+ delta, '
                                         r'and .*base has \(\d+, \d+\): an adapter for another'):
       job.merge(base, models, str(tmp_path / method), plan_lib.Plan(method, {}))
     assert not os.path.exists(tmp_path / method)
