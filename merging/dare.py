@@ -29,7 +29,6 @@ from typing import Any, Mapping, Sequence
 import jax
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -39,16 +38,11 @@ from merging import ties
 BASE_MERGES = ('task_arithmetic', 'ties')
 
 
-def vector_key(key: jax.Array, tasks: Sequence[str]) -> jax.Array:
-  """The key of the vector of `tasks`, from which each of its leaves draws (`ops.leaf_key`)."""
-  return jax.random.fold_in(key, tree_lib.stable_hash(','.join(tasks)))
-
-
 def drop(task_vectors: Sequence[TaskVector], ps: Sequence[float], key: jax.Array,
          rescale: str = 'probability') -> list[TaskVector]:
   """τ̃_t for every vector (vector t dropped with probability ps[t]), each keyed by its
   tasks' names."""
-  return [v.replace(delta=ops.drop_and_rescale(v.delta, p, vector_key(key, v.tasks), rescale))
+  return [v.replace(delta=ops.drop_and_rescale(v.delta, p, ops.vector_key(key, v.tasks), rescale))
           for v, p in zip(task_vectors, ps)]
 
 

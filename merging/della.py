@@ -49,7 +49,7 @@ def magprune(delta: dict, density: float, epsilon: float, rescale: str,
   def prune(path, d):
     rows = ops.rows(views[path], d)
     p = keep_probabilities(jnp.abs(rows), density, epsilon)
-    kept = jax.random.bernoulli(jax.random.fold_in(key, tree_lib.stable_hash(path)), p)
+    kept = jax.random.bernoulli(ops.leaf_key(key, path), p)
     if rescale == 'l1_norm':
       out = ops.rescale_l1(rows, jnp.where(kept, rows, 0.0))
     else:
@@ -84,8 +84,7 @@ def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, density: float,
                           len(task_vectors), merge, 'della')
   pruned = []
   for v, settings_t in zip(task_vectors, own):
-    vector_key = jax.random.fold_in(key, tree_lib.stable_hash(','.join(v.tasks)))
     flat = magprune(tree_lib.flatten(v.delta), settings_t['density'], settings_t['epsilon'],
-                    rescale, vector_key)
+                    rescale, ops.vector_key(key, v.tasks))
     pruned.append(tree_lib.unflatten(flat))
   return common.merged(task_vectors, ops.combine(pruned, weights, elect_sign, normalize))

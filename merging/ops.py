@@ -109,8 +109,15 @@ def rescale_l1(delta: jax.Array, masked: jax.Array, eps: float = 1e-7) -> jax.Ar
   return masked * l1_factor(jnp.abs(delta).sum(), jnp.abs(masked).sum(), eps)
 
 
+def vector_key(key: jax.Array, tasks: Sequence[str]) -> jax.Array:
+  """The key of the task vector of `tasks`, from which each of its leaves draws (`leaf_key`):
+  fold_in(key, stable_hash(','.join(tasks))), whatever the order of the vectors."""
+  return jax.random.fold_in(key, tree_lib.stable_hash(','.join(tasks)))
+
+
 def leaf_key(key: jax.Array, path: str) -> jax.Array:
-  """The key a leaf's draws come from: fold_in(key, stable_hash(path))."""
+  """The key a leaf's draws come from: fold_in(key, stable_hash(path)), whatever the order of
+  the leaves."""
   return jax.random.fold_in(key, tree_lib.stable_hash(path))
 
 

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.lora import LowRank
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
+from merging import ops
 
 COMBINATIONS = ('cat', 'linear', 'svd', 'ties', 'ties_svd', 'dare_linear', 'dare_ties',
                 'dare_linear_svd', 'dare_ties_svd', 'magnitude_prune', 'magnitude_prune_svd')
@@ -138,7 +138,7 @@ def merge(task_vectors: Sequence[TaskVector], *, combination: str, key: jax.Arra
   delta = {path: _factor_merge(
       [v.delta[path] for v in task_vectors], weights, combination, density=density,
       majority_sign_method=majority_sign_method, svd_rank=svd_rank, svd_clamp=svd_clamp,
-      key=jax.random.fold_in(key, tree_lib.stable_hash(path)), path=path)
+      key=ops.leaf_key(key, path), path=path)
       for path in task_vectors[0].delta}
   return common.merged(task_vectors, delta)
 

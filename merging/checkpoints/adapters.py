@@ -31,8 +31,8 @@ def write(base, adapters, directory: str, plan, base_path: str) -> dict:
   for path, factors in zip(adapters, found):
     delta = {}
     for weight, (a, b, scale) in factors.items():
-      shape = (b.shape[0], a.shape[1])
-      delta[weight[:-len('.weight')]] = LowRank(b, a, np.float32(scale), shape[::-1])
+      # The kernel's shape (inputs, outputs), as the base's weight (outputs, inputs) transposed.
+      delta[weight[:-len('.weight')]] = LowRank(b, a, np.float32(scale), (a.shape[1], b.shape[0]))
     vectors.append(TaskVector(delta, (path,), 'lora', base_path))
   method = merging.get(plan.method)
   extra = {'key': jax.random.PRNGKey(plan.seed)} if 'key' in method.reads else {}

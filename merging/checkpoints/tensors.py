@@ -18,7 +18,6 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
-from merging import dare
 from merging import ops
 from merging.checkpoints import layered
 from merging.checkpoints import pipeline
@@ -66,9 +65,9 @@ class TensorMerge:
 
   def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan) -> tuple:
     """What a DARE merged in blocks draws from for the tensor `name`: each model's key of it
-    (`dare.vector_key`, `ops.leaf_key`, as `dare.drop` keys it) and, for an L1 rescale, each
+    (`ops.vector_key`, `ops.leaf_key`, as `dare.drop` keys it) and, for an L1 rescale, each
     model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor, summed by a pass over its blocks first."""
-    keys = jnp.stack([ops.leaf_key(dare.vector_key(self.key, (label,)), name)
+    keys = jnp.stack([ops.leaf_key(ops.vector_key(self.key, (label,)), name)
                       for label in self.labels])
     if plan.settings['rescale'] != 'l1_norm':
       return keys, None
