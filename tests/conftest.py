@@ -2,8 +2,10 @@
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,12 +28,35 @@ def run_python_fixture():
   return run_python
 
 
-@pytest.fixture(scope='session', name='compilation_cache')
-def compilation_cache_fixture(tmp_path_factory) -> dict[str, str]:
-  """Environment for subprocesses to share one persistent XLA compilation cache, so that the
-  processes of one test (and tests of the same program) compile each jitted step once."""
-  return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax_cache')),
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+_SHARED_CACHE = 'EDITMERGE_TEST_JAX_CACHE'
+# The tests' programs are small and run for moments: compiling them is most of their time, and
+# LLVM's machine-code optimisations cost more than they save. XLA's own passes still run.
+_COMPILE_FAST = '--xla_backend_optimization_level=0'
+
+
+def pytest_configure(config):
+  """Settings every process of the run inherits (the pytest-xdist workers, and every process a
+  test starts): fast compiles, and one persistent XLA compilation cache, so that a program
+  that many tests (and their workdirs) build compiles once."""
+  del config
+  if _COMPILE_FAST not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {_COMPILE_FAST}'.strip()
+  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+    return
+  os.environ[_SHARED_CACHE] = tempfile.mkdtemp(prefix='editmerge-jax-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ[_SHARED_CACHE]
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+
+
+def xla_flags(devices: int) -> str:
+  """The run's XLA flags with `devices` CPU devices, for a process a test starts."""
+  return f'{os.environ["XLA_FLAGS"]} --xla_force_host_platform_device_count={devices}'
+
+
+def pytest_unconfigure(config):
+  del config
+  if os.environ.get('PYTEST_XDIST_WORKER') is None and _SHARED_CACHE in os.environ:
+    shutil.rmtree(os.environ.pop(_SHARED_CACHE), ignore_errors=True)
 
 
 TINY_REGIMES = ('full', 'talos')

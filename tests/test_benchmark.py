@@ -11,7 +11,7 @@ from configs import quickstart
 from editing import regimes
 from editing.jobs import benchmark
 from editing.jobs import experiment
-from tests.conftest import run_python
+from tests.conftest import run_python, xla_flags
 
 
 def test_the_benchmark_reports_flops_and_mfu_against_a_given_peak(tmp_path):
@@ -60,7 +60,7 @@ json.dump({'flops': flops, 'per_device': compiled.cost_analysis()['flops'],
 def test_flops_and_mfu_of_a_matmul_split_over_eight_devices():
   out = json.loads(run_python(
       ['-c', SHARDED_MATMUL],
-      env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}).stdout)
+      env={'XLA_FLAGS': xla_flags(devices=8)}).stdout)
   # (256 × 128) @ (128 × 64): 2·M·K·N = 4,194,304 FLOPs in all, an eighth on each device.
   assert out['per_device'] == 4194304 / 8
   assert out['flops'] == 4194304

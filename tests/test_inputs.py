@@ -34,6 +34,7 @@ from editing.jobs import pretrain
 from editing.jobs import workdir as workdir_lib
 from editing.task_vector import TaskVector
 from merging.jobs import merge
+from tests.conftest import xla_flags
 
 
 def snapshot(directory: str) -> dict[str, str]:
@@ -209,7 +210,7 @@ def test_a_batch_the_devices_do_not_divide_spoils_nothing(tiny_run, tmp_path, ru
   before = snapshot(workdir)
   args = ['-m', 'launch.finetune', '--config=configs/quickstart.py:tiny', f'--workdir={workdir}',
           '--task=digits', '--config.regimes=attention_only']
-  env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  env = {'XLA_FLAGS': xla_flags(devices=8)}
   proc = run_python(args + ['--config.finetune.batch_size=30'], env=env, check=False)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (

@@ -13,7 +13,7 @@ import pytest
 
 from editing import sharding
 from editing.errors import UserError
-from tests.conftest import REPO, run_python
+from tests.conftest import REPO, run_python, xla_flags
 from tests.test_train import DRIVER, assert_bitwise_equal, load
 
 # (fsdp, tensor, preset, regime) on 8 devices; data takes the rest.
@@ -46,7 +46,7 @@ def test_fine_tuning_on_a_mesh_equals_one_device(tmp_path, one_device, fsdp, ten
               '--steps=3', '--devices=8', f'--fsdp={fsdp}', f'--tensor={tensor}',
               f'--preset={preset}', f'--regime={regime}',
               f'--placement={tmp_path}/placement.json'],
-             env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+             env={'XLA_FLAGS': xla_flags(devices=8)})
   params, metrics, _ = one_device[regime]
   # The loss and the gradient norm see the whole global batch: they agree to float precision.
   # Adam divides by sqrt(v): for near-zero gradients, summation-order noise grows to a fraction
@@ -119,7 +119,7 @@ json.dump(out, sys.stdout)
 
 def test_evaluation_on_an_fsdp_mesh_equals_one_device():
   proc = run_python(['-c', EVALUATION],
-                    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+                    env={'XLA_FLAGS': xla_flags(devices=8)})
   out = json.loads(proc.stdout)
   # θ0 + α·τ stays split as the rules place the params.
   assert out['fsdp']['split'] == ['fsdp'] and out['one']['split'] == []
@@ -156,7 +156,7 @@ json.dump({'total': sum(leaves), 'largest': max(leaves), 'per_device': per_devic
 
 def test_a_vit_b16_initialises_split_over_eight_devices():
   proc = run_python(['-c', SHARDED_INIT],
-                    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+                    env={'XLA_FLAGS': xla_flags(devices=8)})
   out = json.loads(proc.stdout)
   assert 85e6 < out['params'] < 88e6
   # Read from the compiled initialiser's output shardings, without running it.
@@ -179,7 +179,7 @@ def test_merges_on_an_fsdp_mesh_equal_one_device(tiny_run, tmp_path):
     shutil.copytree(source, workdir)
     run_python(['-m', 'launch.merge', '--config=configs/merge.py:tiny', f'--workdir={workdir}',
                 '--config.regimes=full', f'--config.merge.methods={methods}', *flags],
-               env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+               env={'XLA_FLAGS': xla_flags(devices=8)})
     with open(workdir / 'merge' / 'full' / 'results.json') as f:
       results[name] = json.load(f)['methods']
   assert set(results['one']) == set(results['fsdp']) == set(methods.split(','))
@@ -199,7 +199,7 @@ def test_two_processes_fine_tune_merge_and_evaluate_as_one_device(tmp_path, one_
   with socket.socket() as s:
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices=4),
              PYTHONPATH=REPO)
   processes = [subprocess.Popen(
       [sys.executable, DRIVER, '--steps=3', '--devices=8', '--fsdp=8', '--preset=fsdp',
@@ -254,7 +254,7 @@ def test_every_merge_method_on_a_2x4x1_mesh_equals_one_device():
   over a 2×4×1 mesh, against the same vectors on one device (tests/test_merging.py's toy
   problem and fast settings)."""
   proc = run_python(['-c', EVERY_MERGE],
-                    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+                    env={'XLA_FLAGS': xla_flags(devices=8)})
   differences = json.loads(proc.stdout)
   data_free = ('averaging', 'task_arithmetic', 'ties', 'dare', 'breadcrumbs', 'consensus')
   for name, difference in differences.items():

@@ -14,6 +14,7 @@ from merging import dare
 from merging import ops
 from merging import ties
 from tests import references
+from tests.conftest import xla_flags
 from tests.test_merging import INPUTS, TASKS, flat, random_vectors
 
 
@@ -147,7 +148,7 @@ def test_dare_gives_the_same_bits_on_1_and_8_devices(tmp_path, run_python):
   results = {}
   for devices in (1, 8):
     out = tmp_path / f'{devices}.npz'
-    env = {'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+    env = {'XLA_FLAGS': xla_flags(devices)}
     run_python([str(script), str(out)], env=env)
     with np.load(out) as f:
       assert int(f['devices']) == devices

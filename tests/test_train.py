@@ -21,7 +21,7 @@ from editing import sharding
 from editing import train
 from editing import tree as tree_lib
 from editing.data import suite
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 DRIVER = os.path.join('tests', 'train_driver.py')
 
@@ -46,16 +46,14 @@ def latest_checkpoint(workdir):
 # Resuming is the loop's, whatever the regime; talos adds the one extra step input (its update
 # mask), and the other regimes only change which leaves train or the encoder.
 @pytest.mark.parametrize('regime', ['full', 'talos'])
-def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime,
-                                                    compilation_cache):
+def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime):
   steps = 24
   # The reference run saves only at the end: checkpoints never change the params.
   run_python([DRIVER, f'--workdir={tmp_path / "straight"}', f'--out={tmp_path / "a.npz"}',
-              f'--steps={steps}', f'--regime={regime}', f'--checkpoint_every={steps}'],
-             env=compilation_cache)
+              f'--steps={steps}', f'--regime={regime}', f'--checkpoint_every={steps}'])
 
   killed = tmp_path / 'killed'
-  env = dict(os.environ, PYTHONPATH=REPO, **compilation_cache)
+  env = dict(os.environ, PYTHONPATH=REPO)
   proc = subprocess.Popen([sys.executable, DRIVER, f'--workdir={killed}',
                            f'--out={tmp_path / "unused.npz"}', f'--steps={steps}',
                            f'--regime={regime}'], cwd=REPO, env=env,
@@ -69,7 +67,7 @@ def test_killed_run_resumes_to_bit_identical_params(tmp_path, run_python, regime
   assert 0 < interrupted_at < steps, f'the run was not killed mid-way ({interrupted_at})'
 
   run_python([DRIVER, f'--workdir={killed}', f'--out={tmp_path / "b.npz"}', f'--steps={steps}',
-              f'--regime={regime}'], env=compilation_cache)
+              f'--regime={regime}'])
   assert_bitwise_equal(load(tmp_path / 'a.npz'), load(tmp_path / 'b.npz'))
   logged = [int(line.split('"step": ')[1].split(',')[0])
             for line in open(killed / 'metrics.jsonl')]
@@ -113,7 +111,7 @@ def test_sigterm_to_one_of_two_processes_checkpoints_one_step_on_both_then_stops
   with socket.socket() as s:
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1',
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices=1),
              PYTHONPATH=REPO)
   workdir = tmp_path / 'run'
   processes = [subprocess.Popen(

@@ -76,12 +76,15 @@ def safety_dir(workdir: str) -> str:
 
 
 def use_compilation_cache(workdir: str) -> None:
-  """Keeps compiled programs in <workdir>/.jax_cache.
+  """Keeps compiled programs in <workdir>/.jax_cache, or in $JAX_COMPILATION_CACHE_DIR where
+  that is set (one cache for many workdirs: a cluster's, a test session's).
 
   Each fine-tune builds its own jitted step; with heads padded to a common number of classes
   (`head.padded`) every task of a regime compiles to the same program, so only the first pays
   for compilation, and reruns pay for none.
   """
+  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    return
   jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
                                                                               '.jax_cache')))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
