@@ -1,5 +1,5 @@
 """The recipe search: every point fine-tuned and scored on validation, the best chosen per
-regime and placed where the evaluation reads it, resumable."""
+regime and placed where the evaluation reads it, resumable, one workdir gathering regimes."""
 
 import json
 import os
@@ -83,6 +83,24 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
 
   monkeypatch.setattr(train, 'train', no_training)
   assert recipe_search.run(config, workdir)['search'] == result['search']
+  monkeypatch.undo()
+
+  # A later run of another regime in the same workdir: the records, the spread and its plot
+  # cover both regimes, the first one's unchanged.
+  other = tiny_search()
+  other.regimes = 'attention_only'
+  other.recipe_search.learning_rate = (3e-3,)
+  both = recipe_search.run(other, workdir)
+  assert list(both['search']) == list(both['seeds']) == ['full', 'attention_only']
+  assert both['search']['full'] == result['search']['full']
+  assert both['seeds']['full'] == spread
+  root = os.path.join(workdir, 'recipe_search')
+  with open(os.path.join(root, 'results.json')) as f:
+    assert json.load(f) == both['search']
+  with open(os.path.join(root, 'seeds.json')) as f:
+    assert json.load(f) == both['seeds']
+  with open(os.path.join(root, 'seeds.png'), 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
 def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):

@@ -12,8 +12,12 @@ for them, and `editing.jobs.evaluate` runs addition, negation and ξ on them. Ea
 `config.recipe_search.seeds` fine-tunes every task again at the regime's chosen recipe with
 that `finetune.seed` (data order, and the initialisation of anything random) and is evaluated
 in <workdir>/recipe_search/seed<s>/; <workdir>/recipe_search/seeds.json holds each regime's
-numbers per seed, and their mean and standard deviation. The search is resumable: each finished
-fine-tune is reused, and <workdir>/recipe_search/results.json is rewritten after every point.
+numbers per seed, and their mean and standard deviation, and seeds.png their spread.
+
+The search is resumable: each finished fine-tune is reused, and
+<workdir>/recipe_search/results.json is rewritten after every point. One workdir gathers
+regimes searched by separate runs (`--config.regimes=talos`, later `--config.regimes=lora`):
+results.json, seeds.json, seeds.png and the printed tables cover every regime it holds.
 """
 
 import json
@@ -49,7 +53,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   pretrain.run(config, workdir)
   exp = experiment.Experiment.load(config, workdir)
   root = os.path.join(workdir, 'recipe_search')
-  search = {}
+  search = _recorded(os.path.join(root, 'results.json'))
   for regime in experiment.configured_regimes(config):
     evaluator, scored = exp.evaluator(regime.name), []
     for learning_rate, steps in grid:
@@ -75,14 +79,48 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
              workdir_lib.finetune_dir(workdir, regime.name, task))
   print(table(search))
   evaluation = evaluate.run(config, workdir)
-  by_seed = {config.finetune.seed: evaluation}
   for seed in seeds:
-    if seed not in by_seed:
-      by_seed[seed] = _seed_run(config, workdir, exp.tasks, search, seed)
-  spread = over_seeds({s: by_seed[s] for s in seeds})
+    if seed != config.finetune.seed:
+      _seed_run(config, workdir, exp.tasks, search, seed)
+  by_seed = _evaluations(config, workdir, list(search), seeds)
+  spread = over_seeds(by_seed)
   atomic.write_json(os.path.join(root, 'seeds.json'), spread)
+  plot_spread(by_seed, os.path.join(root, 'seeds.png'))
   print(seed_table(search, spread))
   return {'search': search, 'evaluation': evaluation, 'seeds': spread}
+
+
+def _recorded(path: str) -> dict:
+  """The searches an earlier run of this workdir recorded, or none."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _seed_workdir(config: ml_collections.ConfigDict, workdir: str, seed: int) -> str:
+  if seed == config.finetune.seed:
+    return workdir
+  return os.path.join(workdir, 'recipe_search', f'seed{seed}')
+
+
+def _evaluations(config: ml_collections.ConfigDict, workdir: str, regimes: list[str],
+                 seeds: list[int]) -> dict[int, dict]:
+  """{seed: {'regimes': {regime: its evaluation}}} for every regime this workdir holds an
+  evaluation of at every seed (read from each seed's evaluation/<regime>/results.json)."""
+  found = {}
+  for regime in regimes:
+    files = [os.path.join(workdir_lib.evaluation_dir(_seed_workdir(config, workdir, s), regime),
+                          'results.json') for s in seeds]
+    missing = [s for s, f in zip(seeds, files) if not os.path.exists(f)]
+    if missing:
+      logging.info('recipe search: %s has no evaluation at seeds %s; left out of seeds.json',
+                   regime, missing)
+      continue
+    for seed, file in zip(seeds, files):
+      with open(file) as f:
+        found.setdefault(seed, {'regimes': {}})['regimes'][regime] = json.load(f)
+  return found
 
 
 def _seeds(config: ml_collections.ConfigDict) -> list[int]:
@@ -101,7 +139,7 @@ def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str],
   seeded = ml_collections.ConfigDict(config.to_dict())
   seeded.finetune.seed = seed
   root = os.path.join(workdir, 'recipe_search')
-  seed_workdir = os.path.join(root, f'seed{seed}')
+  seed_workdir = _seed_workdir(config, workdir, seed)
   _share_backbone(workdir, seed_workdir)
   for regime in experiment.configured_regimes(config):
     chosen = search[regime.name]['chosen']
@@ -143,9 +181,49 @@ def over_seeds(by_seed: dict[int, dict]) -> dict:
     out[regime] = {
         'seeds': seeds, 'per_seed': per_seed,
         'mean': {k: float(np.mean(v)) if v else None for k, v in measured.items()},
-        'std': {k: float(np.std(v, ddof=1)) if len(v) > 1 else (0.0 if v else None)
-                for k, v in measured.items()}}
+        'std': {k: float(_std(v)) if v else None for k, v in measured.items()}}
   return out
+
+
+def plot_spread(by_seed: dict[int, dict], path: str) -> None:
+  """Each regime's validation curves against α, the mean over seeds with ± one standard
+  deviation shaded: addition (mean normalized accuracy) and negation (mean target accuracy over
+  tasks); and its mean ξ with the same spread."""
+  plt = report.pyplot()
+  fig, (addition, negation, xi) = plt.subplots(1, 3, figsize=(15, 4))
+  seeds = list(by_seed)
+  for regime in by_seed[seeds[0]]['regimes']:
+    runs = [by_seed[s]['regimes'][regime] for s in seeds]
+    curve = runs[0]['addition']['curve']
+    _band(addition, regime, [p['alpha'] for p in curve],
+          [[p['normalized_val'] for p in r['addition']['curve']] for r in runs])
+    curve = runs[0]['negation'][runs[0]['tasks'][0]]['curve']
+    _band(negation, regime, [p['alpha'] for p in curve],
+          [np.mean([[p['target_val'] for p in r['negation'][t]['curve']] for t in r['tasks']],
+                   axis=0) for r in runs])
+    means = [r['disentanglement']['mean'] for r in runs]
+    if None not in means:
+      xi.errorbar([regime], [np.mean(means)], yerr=[_std(means)], fmt='o', capsize=4)
+  addition.set(title='task addition', xlabel='α', ylabel='mean normalized val accuracy')
+  negation.set(title='task negation', xlabel='α', ylabel='mean target val accuracy')
+  xi.set(title='weight disentanglement', ylabel='mean ξ')
+  addition.legend(fontsize=8)
+  fig.suptitle(f'mean ± std over {len(seeds)} fine-tuning seeds')
+  fig.tight_layout()
+  report.save_png(fig, path)
+
+
+def _band(ax, label: str, alphas: list[float], curves: list) -> None:
+  """The mean of `curves` (one per seed) against `alphas`, ± one standard deviation shaded."""
+  mean, std = np.mean(curves, axis=0), _std(curves)
+  line, = ax.plot(alphas, mean, '-', label=label)
+  ax.fill_between(alphas, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+
+
+def _std(values) -> np.ndarray:
+  """The sample standard deviation over the first axis (0 for one value)."""
+  values = np.asarray(values, dtype=float)
+  return np.std(values, axis=0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1:])
 
 
 def seed_table(search: dict, spread: dict) -> str:
