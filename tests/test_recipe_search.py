@@ -31,6 +31,19 @@ def test_ties_go_to_fewer_steps_then_the_smaller_rate():
   assert recipe_search.choose(points) == points[-1]
 
 
+def test_a_choice_on_the_grid_s_edge_is_named():
+  points = [{'learning_rate': lr, 'steps': s, 'mean_val': v}
+            for lr, s, v in [(1e-4, 100, 0.5), (1e-4, 300, 0.6), (1e-3, 100, 0.7),
+                             (1e-3, 300, 0.8), (1e-2, 100, 0.75), (1e-2, 300, 0.7)]]
+  search = {'talos': {'points': points, 'chosen': recipe_search.choose(points)}}
+  assert recipe_search.at_edge(search['talos']) == ['steps']
+  assert "<- chosen (steps on the grid's edge)" in recipe_search.table(search)
+  search['talos']['points'] = [p for p in points if p['learning_rate'] < 1e-2]
+  assert recipe_search.at_edge(search['talos']) == ['learning_rate', 'steps']
+  search['talos']['points'] = [p for p in points if p['steps'] == 300]
+  assert recipe_search.at_edge(search['talos']) == []
+
+
 def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path, monkeypatch):
   config, workdir = tiny_search(), str(tmp_path)
   result = recipe_search.run(config, workdir)

@@ -74,6 +74,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     chosen = search[regime.name]['chosen']
     logging.info('recipe search, %s: lr %g and %d steps (mean validation accuracy %.3f)',
                  regime.name, chosen['learning_rate'], chosen['steps'], chosen['mean_val'])
+    edges = at_edge(search[regime.name])
+    if edges:
+      logging.warning('recipe search, %s: the chosen %s on the grid\'s edge; a wider grid might '
+                      'choose past it', regime.name, ' and '.join(edges))
     for task in exp.tasks:
       _place(_point_dir(root, regime.name, chosen['learning_rate'], chosen['steps'], task),
              workdir_lib.finetune_dir(workdir, regime.name, task))
@@ -260,12 +264,27 @@ def choose(scored: list[dict]) -> dict:
   return max(scored, key=lambda p: (p['mean_val'], -p['steps'], -p['learning_rate']))
 
 
+def at_edge(result: dict) -> list[str]:
+  """Which of the chosen point's settings lie on the edge of its searched grid (a wider grid
+  might choose past them)."""
+  edges = []
+  for setting in ('learning_rate', 'steps'):
+    values = sorted({p[setting] for p in result['points']})
+    if len(values) > 1 and result['chosen'][setting] in (values[0], values[-1]):
+      edges.append(setting)
+  return edges
+
+
 def table(search: dict) -> str:
-  """Every point's mean validation accuracy per regime, the chosen one marked."""
+  """Every point's mean validation accuracy per regime, the chosen one marked (and where its
+  settings are on the grid's edge)."""
   lines = [f'{"regime":>15} {"lr":>8} {"steps":>6} {"mean val":>9}']
   for regime, result in search.items():
+    edges = at_edge(result)
     for p in result['points']:
-      mark = '  <- chosen' if p == result['chosen'] else ''
+      mark = ''
+      if p == result['chosen']:
+        mark = '  <- chosen' + (f' ({" and ".join(edges)} on the grid\'s edge)' if edges else '')
       lines.append(f'{regime:>15} {p["learning_rate"]:8.0e} {p["steps"]:6d} '
                    f'{100 * p["mean_val"]:9.1f}{mark}')
   return '\n'.join(lines)
