@@ -44,6 +44,23 @@ def test_a_choice_on_the_grid_s_edge_is_named():
   assert recipe_search.at_edge(search['talos']) == []
 
 
+def test_the_report_tabulates_the_grid_and_the_spread():
+  points = [{'learning_rate': lr, 'steps': s, 'mean_val': v}
+            for lr, s, v in [(1e-4, 100, 0.5), (1e-4, 300, 0.625), (1e-3, 100, 0.75)]]
+  search = {'talos': {'points': points, 'chosen': points[2]}}
+  numbers = ('finetuned', 'addition', 'addition_normalized', 'negation_target',
+             'negation_control')
+  spread = {'talos': {'seeds': [0, 1, 2],
+                      'mean': {**dict.fromkeys(numbers, 0.5), 'xi': 0.25},
+                      'std': {**dict.fromkeys(numbers, 0.012), 'xi': 0.0131}}}
+  lines = recipe_search.markdown(search, spread).splitlines()
+  assert '| regime | lr | 100 steps | 300 steps |' in lines
+  assert '| talos | 0.0001 | 50.0 | 62.5 |' in lines
+  assert '| talos | 0.001 | **75.0** |  |' in lines
+  assert ('| talos | 0.001 | 100 | 3 | 50.0 ± 1.2 | 50.0 ± 1.2 | 50.0 ± 1.2 | 50.0 ± 1.2 | '
+          '50.0 ± 1.2 | 0.250 ± 0.013 |') in lines
+
+
 def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path, monkeypatch):
   config, workdir = tiny_search(), str(tmp_path)
   result = recipe_search.run(config, workdir)
@@ -112,6 +129,8 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
     assert json.load(f) == both['search']
   with open(os.path.join(root, 'seeds.json')) as f:
     assert json.load(f) == both['seeds']
+  with open(os.path.join(root, 'report.md')) as f:
+    assert f.read() == recipe_search.markdown(both['search'], both['seeds'])
   with open(os.path.join(root, 'seeds.png'), 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 

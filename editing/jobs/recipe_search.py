@@ -12,12 +12,14 @@ for them, and `editing.jobs.evaluate` runs addition, negation and ξ on them. Ea
 `config.recipe_search.seeds` fine-tunes every task again at the regime's chosen recipe with
 that `finetune.seed` (data order, and the initialisation of anything random) and is evaluated
 in <workdir>/recipe_search/seed<s>/; <workdir>/recipe_search/seeds.json holds each regime's
-numbers per seed, and their mean and standard deviation, and seeds.png their spread.
+numbers per seed, and their mean and standard deviation, seeds.png their spread, and report.md
+the search and the regimes at their recipes as markdown tables.
 
 The search is resumable: each finished fine-tune is reused, and
 <workdir>/recipe_search/results.json is rewritten after every point. One workdir gathers
 regimes searched by separate runs (`--config.regimes=talos`, later `--config.regimes=lora`):
-results.json, seeds.json, seeds.png and the printed tables cover every regime it holds.
+results.json, seeds.json, seeds.png, report.md and the printed tables cover every regime it
+holds.
 """
 
 import json
@@ -90,6 +92,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   spread = over_seeds(by_seed)
   atomic.write_json(os.path.join(root, 'seeds.json'), spread)
   plot_spread(by_seed, os.path.join(root, 'seeds.png'))
+  atomic.write_bytes(os.path.join(root, 'report.md'), markdown(search, spread).encode())
   print(seed_table(search, spread))
   return {'search': search, 'evaluation': evaluation, 'seeds': spread}
 
@@ -230,7 +233,7 @@ def _std(values) -> np.ndarray:
   return np.std(values, axis=0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1:])
 
 
-def seed_table(search: dict, spread: dict) -> str:
+def _seed_rows(search: dict, spread: dict) -> tuple[tuple[str, ...], list[list[str]]]:
   """Each regime at its chosen recipe: mean ± std over the seeds of every summary number."""
   header = ('regime', 'lr', 'steps', 'seeds', 'fine-tuned', 'addition', 'addition (norm.)',
             'negation target', 'negation control', 'mean ξ')
@@ -244,7 +247,34 @@ def seed_table(search: dict, spread: dict) -> str:
                    f'{scale * r["mean"][k]:.{digits}f} ± {scale * r["std"][k]:.{digits}f}')
     rows.append([regime, f'{chosen["learning_rate"]:g}', str(chosen['steps']),
                  str(len(r['seeds']))] + cells)
-  return report.fixed_width(header, rows)
+  return header, rows
+
+
+def seed_table(search: dict, spread: dict) -> str:
+  return report.fixed_width(*_seed_rows(search, spread))
+
+
+def markdown(search: dict, spread: dict) -> str:
+  """report.md: every point's mean validation accuracy (the chosen ones in bold), then each
+  regime at its recipe over the seeds."""
+  steps = sorted({p['steps'] for r in search.values() for p in r['points']})
+  rows = []
+  for regime, result in search.items():
+    by_point = {(p['learning_rate'], p['steps']): p for p in result['points']}
+    for rate in sorted({p['learning_rate'] for p in result['points']}):
+      cells = []
+      for n in steps:
+        p = by_point.get((rate, n))
+        cell = '' if p is None else f'{100 * p["mean_val"]:.1f}'
+        cells.append(f'**{cell}**' if p == result['chosen'] else cell)
+      rows.append([regime, f'{rate:g}'] + cells)
+  return ('# Each regime at its own recipe\n\n'
+          'Mean validation accuracy (%) over the tasks of each single-task fine-tune, at each '
+          'point of the grid; the chosen point in bold.\n\n'
+          + report.markdown_table(('regime', 'lr') + tuple(f'{n} steps' for n in steps), rows)
+          + '\nAt the chosen recipes: test accuracy (%) and mean ξ, mean ± standard deviation '
+          'over the fine-tuning seeds.\n\n'
+          + report.markdown_table(*_seed_rows(search, spread)))
 
 
 def points(config: ml_collections.ConfigDict) -> list[tuple[float, int]]:
