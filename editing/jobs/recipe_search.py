@@ -31,6 +31,7 @@ import numpy as np
 from absl import logging
 
 from editing import atomic
+from editing import regimes
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import evaluate
@@ -57,29 +58,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   root = os.path.join(workdir, 'recipe_search')
   search = _recorded(os.path.join(root, 'results.json'))
   for regime in experiment.configured_regimes(config):
-    evaluator, scored = exp.evaluator(regime.name), []
-    for learning_rate, steps in grid:
-      point = ml_collections.ConfigDict(config.to_dict())
-      point.finetune.update(learning_rate=learning_rate, steps=steps)
-      val = {}
-      for task in exp.tasks:
-        logging.info('recipe search, %s: lr %g, %d steps, %s', regime.name, learning_rate,
-                     steps, task)
-        vector = finetune.run(point, workdir, task, regime,
-                              directory=_point_dir(root, regime.name, learning_rate, steps, task))
-        val[task] = evaluator.accuracy(exp.theta0, evaluator.edit(exp.theta0, vector, 1.0),
-                                       exp.head(task), exp.task(task).val)
-      scored.append({'learning_rate': learning_rate, 'steps': steps, 'val': val,
-                     'mean_val': float(np.mean(list(val.values())))})
-      search[regime.name] = {'points': scored, 'chosen': choose(scored)}
-      atomic.write_json(os.path.join(root, 'results.json'), search)
-    chosen = search[regime.name]['chosen']
-    logging.info('recipe search, %s: lr %g and %d steps (mean validation accuracy %.3f)',
-                 regime.name, chosen['learning_rate'], chosen['steps'], chosen['mean_val'])
-    edges = at_edge(search[regime.name])
-    if edges:
-      logging.warning('recipe search, %s: the chosen %s on the grid\'s edge; a wider grid might '
-                      'choose past it', regime.name, ' and '.join(edges))
+    chosen = _search(config, workdir, exp, regime, grid, search)
     for task in exp.tasks:
       _place(_point_dir(root, regime.name, chosen['learning_rate'], chosen['steps'], task),
              workdir_lib.finetune_dir(workdir, regime.name, task))
@@ -95,6 +74,37 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   atomic.write_bytes(os.path.join(root, 'report.md'), markdown(search, spread).encode())
   print(seed_table(search, spread))
   return {'search': search, 'evaluation': evaluation, 'seeds': spread}
+
+
+def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Experiment,
+            regime: regimes.Regime, grid: list[tuple[float, int]], search: dict) -> dict:
+  """Fine-tunes every task at every point of `grid` and scores each point on validation,
+  recording the points in `search` (and results.json) as they finish; returns the chosen one."""
+  root = os.path.join(workdir, 'recipe_search')
+  evaluator, scored = exp.evaluator(regime.name), []
+  for learning_rate, steps in grid:
+    point = ml_collections.ConfigDict(config.to_dict())
+    point.finetune.update(learning_rate=learning_rate, steps=steps)
+    val = {}
+    for task in exp.tasks:
+      logging.info('recipe search, %s: lr %g, %d steps, %s', regime.name, learning_rate, steps,
+                   task)
+      vector = finetune.run(point, workdir, task, regime,
+                            directory=_point_dir(root, regime.name, learning_rate, steps, task))
+      val[task] = evaluator.accuracy(exp.theta0, evaluator.edit(exp.theta0, vector, 1.0),
+                                     exp.head(task), exp.task(task).val)
+    scored.append({'learning_rate': learning_rate, 'steps': steps, 'val': val,
+                   'mean_val': float(np.mean(list(val.values())))})
+    search[regime.name] = {'points': scored, 'chosen': choose(scored)}
+    atomic.write_json(os.path.join(root, 'results.json'), search)
+  chosen = search[regime.name]['chosen']
+  logging.info('recipe search, %s: lr %g and %d steps (mean validation accuracy %.3f)',
+               regime.name, chosen['learning_rate'], chosen['steps'], chosen['mean_val'])
+  edges = at_edge(search[regime.name])
+  if edges:
+    logging.warning('recipe search, %s: the chosen %s on the grid\'s edge; a wider grid might '
+                    'choose past it', regime.name, ' and '.join(edges))
+  return chosen
 
 
 def _recorded(path: str) -> dict:
