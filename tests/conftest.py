@@ -41,7 +41,7 @@ def pytest_configure(config):
   del config
   if _COMPILE_FAST not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {_COMPILE_FAST}'.strip()
-  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):
     return
   os.environ[_SHARED_CACHE] = tempfile.mkdtemp(prefix='editmerge-jax-cache-')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ[_SHARED_CACHE]
@@ -57,6 +57,8 @@ def pytest_unconfigure(config):
   del config
   if os.environ.get('PYTEST_XDIST_WORKER') is None and _SHARED_CACHE in os.environ:
     shutil.rmtree(os.environ.pop(_SHARED_CACHE), ignore_errors=True)
+    for name in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'):
+      os.environ.pop(name, None)
 
 
 TINY_REGIMES = ('full', 'talos')

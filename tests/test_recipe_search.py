@@ -31,17 +31,22 @@ def test_ties_go_to_fewer_steps_then_the_smaller_rate():
   assert recipe_search.choose(points) == points[-1]
 
 
-def test_a_choice_on_the_grid_s_edge_is_named():
-  points = [{'learning_rate': lr, 'steps': s, 'mean_val': v}
-            for lr, s, v in [(1e-4, 100, 0.5), (1e-4, 300, 0.6), (1e-3, 100, 0.7),
-                             (1e-3, 300, 0.8), (1e-2, 100, 0.75), (1e-2, 300, 0.7)]]
-  search = {'talos': {'points': points, 'chosen': recipe_search.choose(points)}}
-  assert recipe_search.at_edge(search['talos']) == ['steps']
-  assert "<- chosen (steps on the grid's edge)" in recipe_search.table(search)
-  search['talos']['points'] = [p for p in points if p['learning_rate'] < 1e-2]
-  assert recipe_search.at_edge(search['talos']) == ['learning_rate', 'steps']
-  search['talos']['points'] = [p for p in points if p['steps'] == 300]
-  assert recipe_search.at_edge(search['talos']) == []
+def searched(scores):
+  points = [{'learning_rate': lr, 'steps': n, 'mean_val': v} for (lr, n), v in scores.items()]
+  return {'points': points, 'chosen': recipe_search.choose(points), 'complete': True}
+
+
+def test_a_choice_at_an_end_of_a_searched_range_is_named():
+  scores = {(lr, n): 0.5 for lr in (1e-4, 1e-3, 1e-2) for n in (100, 300, 1000)}
+  assert recipe_search.at_edge(searched({**scores, (1e-3, 300): 0.9})) == []
+  assert recipe_search.at_edge(searched({**scores, (1e-3, 1000): 0.9})) == ['steps']
+  assert recipe_search.at_edge(searched({**scores, (1e-2, 100): 0.9})) == [
+      'learning_rate', 'steps']
+  table = recipe_search.table({'talos': searched({**scores, (1e-3, 1000): 0.9})})
+  assert "<- chosen (steps on the grid's edge)" in table
+  # Of two values, either is an end: nothing is named.
+  two = {(lr, n): v for (lr, n), v in scores.items() if n < 1000}
+  assert recipe_search.at_edge(searched({**two, (1e-3, 300): 0.9})) == []
 
 
 def test_the_report_tabulates_the_grid_and_the_spread():
@@ -116,23 +121,42 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
   monkeypatch.undo()
 
   # A later run of another regime in the same workdir: the records, the spread and its plot
-  # cover both regimes, the first one's unchanged.
+  # cover both regimes, the first one's unchanged. Of two more records, lora's search was cut
+  # short (it is left out) and l_lora's finished but was never evaluated (it is kept in the
+  # search, and out of the spread).
+  root = os.path.join(workdir, 'recipe_search')
+  with open(os.path.join(root, 'results.json')) as f:
+    records = json.load(f)
+  records['lora'] = {**searched({(1e-3, 6): 0.5}), 'complete': False}
+  records['l_lora'] = searched({(1e-3, 6): 0.5})
+  with open(os.path.join(root, 'results.json'), 'w') as f:
+    json.dump(records, f)
   other = tiny_search()
   other.regimes = 'attention_only'
   other.recipe_search.learning_rate = (3e-3,)
   both = recipe_search.run(other, workdir)
-  assert list(both['search']) == list(both['seeds']) == ['full', 'attention_only']
+  assert list(both['search']) == ['full', 'attention_only', 'l_lora']  # the regimes' order
+  assert list(both['seeds']) == ['full', 'attention_only']
   assert both['search']['full'] == result['search']['full']
   assert both['seeds']['full'] == spread
-  root = os.path.join(workdir, 'recipe_search')
   with open(os.path.join(root, 'results.json')) as f:
     assert json.load(f) == both['search']
   with open(os.path.join(root, 'seeds.json')) as f:
     assert json.load(f) == both['seeds']
   with open(os.path.join(root, 'report.md')) as f:
-    assert f.read() == recipe_search.markdown(both['search'], both['seeds'])
+    text = f.read()
+  for regime, searched_regime in both['search'].items():
+    chosen = searched_regime['chosen']
+    assert f'| {regime} | {chosen["learning_rate"]:g} | **{100 * chosen["mean_val"]:.1f}** |' \
+        in text
   with open(os.path.join(root, 'seeds.png'), 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+  # A regime searched with other fine-tuning settings would sit in the tables beside full's.
+  other.regimes, other.finetune.batch_size = 'talos', 16
+  with pytest.raises(UserError, match=r'the recipe an earlier run chose for \w+, was '
+                     r'fine-tuned with other config.finetune settings \(batch_size\)'):
+    recipe_search.run(other, workdir)
 
 
 def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):

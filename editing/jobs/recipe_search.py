@@ -46,22 +46,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Searches every configured regime's recipe, then evaluates each regime at its own, for
   every seed.
 
-  Returns {'search': {regime: {'points': [...], 'chosen': point}}, 'evaluation': the
-  evaluation's results at config.finetune.seed, 'seeds': `over_seeds` of every seed's}.
+  Returns {'search': {regime: {'points': [...], 'chosen': point, 'complete': True}},
+  'evaluation': the evaluation's results of this run's regimes at config.finetune.seed (also
+  <workdir>/results.json and report.md), 'seeds': `over_seeds` of every regime's at every seed}.
   """
   checks.validate(config)
   grid = points(config)
   seeds = _seeds(config)
-  _check_targets(config, workdir, grid)
-  pretrain.run(config, workdir)
-  exp = experiment.Experiment.load(config, workdir)
   root = os.path.join(workdir, 'recipe_search')
   search = _recorded(os.path.join(root, 'results.json'))
+  _check_targets(config, workdir, grid, list(search))
+  pretrain.run(config, workdir)
+  exp = experiment.Experiment.load(config, workdir)
   for regime in experiment.configured_regimes(config):
     chosen = _search(config, workdir, exp, regime, grid, search)
     for task in exp.tasks:
       _place(_point_dir(root, regime.name, chosen['learning_rate'], chosen['steps'], task),
              workdir_lib.finetune_dir(workdir, regime.name, task))
+  search = {name: search[name] for name in regimes.REGISTRY if name in search}
   print(table(search))
   evaluation = evaluate.run(config, workdir)
   for seed in seeds:
@@ -95,7 +97,8 @@ def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Exp
                                      exp.head(task), exp.task(task).val)
     scored.append({'learning_rate': learning_rate, 'steps': steps, 'val': val,
                    'mean_val': float(np.mean(list(val.values())))})
-    search[regime.name] = {'points': scored, 'chosen': choose(scored)}
+    search[regime.name] = {'points': scored, 'chosen': choose(scored),
+                           'complete': len(scored) == len(grid)}
     atomic.write_json(os.path.join(root, 'results.json'), search)
   chosen = search[regime.name]['chosen']
   logging.info('recipe search, %s: lr %g and %d steps (mean validation accuracy %.3f)',
@@ -108,11 +111,12 @@ def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Exp
 
 
 def _recorded(path: str) -> dict:
-  """The searches an earlier run of this workdir recorded, or none."""
+  """The finished searches an earlier run of this workdir recorded (one cut short is left
+  out: this run's tables do not show a part of a grid as the whole)."""
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    return json.load(f)
+    return {name: r for name, r in json.load(f).items() if r.get('complete')}
 
 
 def _seed_workdir(config: ml_collections.ConfigDict, workdir: str, seed: int) -> str:
@@ -121,18 +125,19 @@ def _seed_workdir(config: ml_collections.ConfigDict, workdir: str, seed: int) ->
   return os.path.join(workdir, 'recipe_search', f'seed{seed}')
 
 
-def _evaluations(config: ml_collections.ConfigDict, workdir: str, regimes: list[str],
+def _evaluations(config: ml_collections.ConfigDict, workdir: str, names: list[str],
                  seeds: list[int]) -> dict[int, dict]:
-  """{seed: {'regimes': {regime: its evaluation}}} for every regime this workdir holds an
-  evaluation of at every seed (read from each seed's evaluation/<regime>/results.json)."""
+  """{seed: {'regimes': {regime: its evaluation}}} for every regime of `names` this workdir
+  holds an evaluation of at every seed (read from each seed's
+  evaluation/<regime>/results.json); the others are named in a warning."""
   found = {}
-  for regime in regimes:
+  for regime in names:
     files = [os.path.join(workdir_lib.evaluation_dir(_seed_workdir(config, workdir, s), regime),
                           'results.json') for s in seeds]
     missing = [s for s, f in zip(seeds, files) if not os.path.exists(f)]
     if missing:
-      logging.info('recipe search: %s has no evaluation at seeds %s; left out of seeds.json',
-                   regime, missing)
+      logging.warning('recipe search: %s has no evaluation at seeds %s; it is left out of '
+                      'seeds.json, seeds.png and report.md', regime, missing)
       continue
     for seed, file in zip(seeds, files):
       with open(file) as f:
@@ -150,7 +155,7 @@ def _seeds(config: ml_collections.ConfigDict) -> list[int]:
 
 
 def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str], search: dict,
-              seed: int) -> dict:
+              seed: int) -> None:
   """Every regime fine-tuned again at its chosen recipe with finetune.seed = `seed`, and
   evaluated in a workdir of the seed's own (the same backbone and suite)."""
   seeded = ml_collections.ConfigDict(config.to_dict())
@@ -168,7 +173,7 @@ def _seed_run(config: ml_collections.ConfigDict, workdir: str, tasks: list[str],
                              seed)
       finetune.run(point, workdir, task, regime, directory=directory)
       _place(directory, workdir_lib.finetune_dir(seed_workdir, regime.name, task))
-  return evaluate.run(seeded, seed_workdir)
+  evaluate.run(seeded, seed_workdir)
 
 
 def _share_backbone(workdir: str, seed_workdir: str) -> None:
@@ -209,18 +214,19 @@ def plot_spread(by_seed: dict[int, dict], path: str) -> None:
   plt = report.pyplot()
   fig, (addition, negation, xi) = plt.subplots(1, 3, figsize=(15, 4))
   seeds = list(by_seed)
-  for regime in by_seed[seeds[0]]['regimes']:
-    runs = [by_seed[s]['regimes'][regime] for s in seeds]
+  for i, regime in enumerate(by_seed[seeds[0]]['regimes']):
+    runs, colour = [by_seed[s]['regimes'][regime] for s in seeds], f'C{i}'
     curve = runs[0]['addition']['curve']
-    _band(addition, regime, [p['alpha'] for p in curve],
+    _band(addition, regime, colour, [p['alpha'] for p in curve],
           [[p['normalized_val'] for p in r['addition']['curve']] for r in runs])
     curve = runs[0]['negation'][runs[0]['tasks'][0]]['curve']
-    _band(negation, regime, [p['alpha'] for p in curve],
+    _band(negation, regime, colour, [p['alpha'] for p in curve],
           [np.mean([[p['target_val'] for p in r['negation'][t]['curve']] for t in r['tasks']],
                    axis=0) for r in runs])
     means = [r['disentanglement']['mean'] for r in runs]
     if None not in means:
-      xi.errorbar([regime], [np.mean(means)], yerr=[_std(means)], fmt='o', capsize=4)
+      xi.errorbar([regime], [np.mean(means)], yerr=[_std(means)], fmt='o', capsize=4,
+                  color=colour)
   addition.set(title='task addition', xlabel='α', ylabel='mean normalized val accuracy')
   negation.set(title='task negation', xlabel='α', ylabel='mean target val accuracy')
   xi.set(title='weight disentanglement', ylabel='mean ξ')
@@ -230,11 +236,11 @@ def plot_spread(by_seed: dict[int, dict], path: str) -> None:
   report.save_png(fig, path)
 
 
-def _band(ax, label: str, alphas: list[float], curves: list) -> None:
+def _band(ax, label: str, colour: str, alphas: list[float], curves: list) -> None:
   """The mean of `curves` (one per seed) against `alphas`, ± one standard deviation shaded."""
   mean, std = np.mean(curves, axis=0), _std(curves)
-  line, = ax.plot(alphas, mean, '-', label=label)
-  ax.fill_between(alphas, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+  ax.plot(alphas, mean, '-', color=colour, label=label)
+  ax.fill_between(alphas, mean - std, mean + std, color=colour, alpha=0.2)
 
 
 def _std(values) -> np.ndarray:
@@ -305,12 +311,12 @@ def choose(scored: list[dict]) -> dict:
 
 
 def at_edge(result: dict) -> list[str]:
-  """Which of the chosen point's settings lie on the edge of its searched grid (a wider grid
-  might choose past them)."""
+  """Which of the chosen point's settings lie at an end of a range of three or more searched
+  values (a wider range might choose past them; of two values, either is an end)."""
   edges = []
   for setting in ('learning_rate', 'steps'):
     values = sorted({p[setting] for p in result['points']})
-    if len(values) > 1 and result['chosen'][setting] in (values[0], values[-1]):
+    if len(values) > 2 and result['chosen'][setting] in (values[0], values[-1]):
       edges.append(setting)
   return edges
 
@@ -330,23 +336,35 @@ def table(search: dict) -> str:
   return '\n'.join(lines)
 
 
-def _check_targets(config, workdir: str, grid) -> None:
-  """Refuses, before any work, a workdir whose fine-tunes are of no point of the grid (their
-  place is where the chosen vectors go)."""
-  for regime in experiment.configured_regimes(config):
+def _check_targets(config: ml_collections.ConfigDict, workdir: str,
+                   grid: list[tuple[float, int]], recorded: list[str]) -> None:
+  """Refuses, before any work, a workdir whose fine-tunes were made otherwise than this run
+  would make them: a configured regime's must be of a point of the grid (their place is where
+  the chosen vectors go), and those of a regime an earlier run searched, which this run's
+  tables show beside its own, must share every fine-tuning setting but the learning rate and
+  steps."""
+  configured = [r.name for r in experiment.configured_regimes(config)]
+  for regime in configured + [r for r in recorded if r not in configured]:
     for task in experiment.tasks(config):
-      record = os.path.join(workdir_lib.finetune_dir(workdir, regime.name, task),
+      record = os.path.join(workdir_lib.finetune_dir(workdir, regime, task),
                             workdir_lib.JOB_CONFIG)
       if not os.path.exists(record):
         continue
       with open(record) as f:
         made = json.load(f).get('finetune', {})
+      recipe = made.get('learning_rate'), made.get('steps')
       ours = {**experiment.training_record(config.finetune),
-              'learning_rate': made.get('learning_rate'), 'steps': made.get('steps')}
-      if made != ours or (made.get('learning_rate'), made.get('steps')) not in grid:
+              'learning_rate': recipe[0], 'steps': recipe[1]}
+      if regime in configured and (made != ours or recipe not in grid):
         raise UserError(f'{os.path.dirname(record)} holds a fine-tune of other settings than '
                         'any point of config.recipe_search; use another --workdir for the '
                         'recipe search')
+      if made != ours:
+        differing = sorted(k for k in ours.keys() | made.keys() if ours.get(k) != made.get(k))
+        raise UserError(f'{os.path.dirname(record)}, the recipe an earlier run chose for '
+                        f'{regime}, was fine-tuned with other config.finetune settings '
+                        f'({", ".join(differing)}); use another --workdir, or the same '
+                        'settings')
 
 
 def _point_dir(root: str, regime: str, learning_rate: float, steps: int, task: str,

@@ -83,11 +83,11 @@ def use_compilation_cache(workdir: str) -> None:
   (`head.padded`) every task of a regime compiles to the same program, so only the first pays
   for compilation, and reruns pay for none.
   """
-  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-    return
-  jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
-                                                                              '.jax_cache')))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+  if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    jax.config.update('jax_compilation_cache_dir', os.path.abspath(os.path.join(workdir,
+                                                                                '.jax_cache')))
+  if not os.environ.get('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'):
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def check_job_config(directory: str, sections: dict[str, Any]) -> None:
