@@ -12,6 +12,7 @@ from editing import train
 from editing.errors import UserError
 from editing.jobs import recipe_search
 from editing.jobs import workdir as workdir_lib
+from editing.regimes import talos
 
 
 def tiny_search():
@@ -157,6 +158,29 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
   with pytest.raises(UserError, match=r'the recipe an earlier run chose for \w+, was '
                      r'fine-tuned with other config.finetune settings \(batch_size\)'):
     recipe_search.run(other, workdir)
+
+
+def test_a_sparse_regime_fits_each_task_s_mask_once_for_every_point(tmp_path, monkeypatch):
+  config, workdir = tiny_search(), str(tmp_path)
+  config.regimes = 'talos'
+  config.recipe_search.update(learning_rate=(1e-3, 3e-3), seeds=(0,))
+  fitted = []
+
+  def counted(*args, **kwargs):
+    fitted.append(args)
+    return calibrate(*args, **kwargs)
+
+  calibrate = talos.calibrate
+  monkeypatch.setattr(talos, 'calibrate', counted)
+  recipe_search.run(config, workdir)
+  assert len(fitted) == 2
+  for task in ('colour', 'size'):
+    masks = []
+    for rate in (1e-3, 3e-3):
+      directory = os.path.join(workdir, 'recipe_search', 'talos', f'lr{rate:g}_steps6', task)
+      with open(os.path.join(directory, workdir_lib.UPDATE_MASK), 'rb') as f:
+        masks.append(f.read())
+    assert masks[0] == masks[1]
 
 
 def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):

@@ -91,8 +91,9 @@ def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Exp
     for task in exp.tasks:
       logging.info('recipe search, %s: lr %g, %d steps, %s', regime.name, learning_rate, steps,
                    task)
-      vector = finetune.run(point, workdir, task, regime,
-                            directory=_point_dir(root, regime.name, learning_rate, steps, task))
+      directory = _point_dir(root, regime.name, learning_rate, steps, task)
+      _reuse_mask(_point_dir(root, regime.name, *grid[0], task), directory)
+      vector = finetune.run(point, workdir, task, regime, directory=directory)
       val[task] = evaluator.accuracy(exp.theta0, evaluator.edit(exp.theta0, vector, 1.0),
                                      exp.head(task), exp.task(task).val)
     scored.append({'learning_rate': learning_rate, 'steps': steps, 'val': val,
@@ -108,6 +109,20 @@ def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Exp
     logging.warning('recipe search, %s: the chosen %s on the grid\'s edge; a wider grid might '
                     'choose past it', regime.name, ' and '.join(edges))
   return chosen
+
+
+def _reuse_mask(source: str, directory: str) -> None:
+  """The update mask fitted in `source`, if any, copied to `directory` before it fine-tunes.
+
+  A sparse regime's mask depends on θ0, the task, the regime's settings and the seed, which
+  every point of the grid shares, and not on the learning rate or steps: each task's is fitted
+  once, at the first point (for TaLoS, R rounds of scoring, about the time of 100 steps).
+  """
+  mask = os.path.join(source, workdir_lib.UPDATE_MASK)
+  target = os.path.join(directory, workdir_lib.UPDATE_MASK)
+  if source != directory and os.path.exists(mask) and not os.path.exists(target):
+    with open(mask, 'rb') as f:
+      atomic.write_bytes(target, f.read())
 
 
 def _recorded(path: str) -> dict:
