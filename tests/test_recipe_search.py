@@ -183,6 +183,24 @@ def test_a_sparse_regime_fits_each_task_s_mask_once_for_every_point(tmp_path, mo
     assert masks[0] == masks[1]
 
 
+def test_a_widened_grid_s_new_choice_replaces_the_placed_one(tmp_path, monkeypatch):
+  config, workdir = tiny_search(), str(tmp_path)
+  config.suite.tasks, config.eval.disentanglement_pairs = 'colour', ''
+  config.recipe_search.update(learning_rate=(1e-3,), seeds=(0,))
+  recipe_search.run(config, workdir)
+  # The choice on validation is the test above's; here the newest point is made to win.
+  monkeypatch.setattr(recipe_search, 'choose', lambda scored: scored[-1])
+  config.recipe_search.learning_rate = (1e-3, 3e-3)
+  result = recipe_search.run(config, workdir)
+  assert result['search']['full']['chosen']['learning_rate'] == 3e-3
+  source = os.path.join(workdir, 'recipe_search', 'full', 'lr0.003_steps6', 'colour')
+  with open(workdir_lib.task_vector_file(workdir, 'full', 'colour'), 'rb') as placed, \
+      open(os.path.join(source, workdir_lib.TASK_VECTOR), 'rb') as chosen:
+    assert placed.read() == chosen.read()
+  assert result['evaluation']['regimes']['full']['finetuned']['colour']['val'] == pytest.approx(
+      result['search']['full']['chosen']['val']['colour'])
+
+
 def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):
   config, workdir = tiny_search(), str(tmp_path)
   config.recipe_search.update(learning_rate=(3e-3,))

@@ -19,7 +19,8 @@ The search is resumable: each finished fine-tune is reused, and
 <workdir>/recipe_search/results.json is rewritten after every point. One workdir gathers
 regimes searched by separate runs (`--config.regimes=talos`, later `--config.regimes=lora`):
 results.json, seeds.json, seeds.png, report.md and the printed tables cover every regime it
-holds.
+holds. A choice on the grid's edge (named in the log and the table) can be followed by a wider
+grid in the same workdir: the finished points are reused, and a new choice replaces the old.
 """
 
 import json
@@ -391,17 +392,19 @@ def _point_dir(root: str, regime: str, learning_rate: float, steps: int, task: s
 
 def _place(source: str, target: str) -> None:
   """The chosen fine-tune's results (its vector, mask and record, not its training state) at
-  `target`; refused if `target` holds a fine-tune of other settings."""
+  `target`, in place of another point's that an earlier search chose there (a search widened
+  past its grid's edge may choose anew; `_check_targets` has refused any fine-tune that is not
+  a point of the grid)."""
   files = [f for f in (workdir_lib.TASK_VECTOR, workdir_lib.UPDATE_MASK, workdir_lib.JOB_CONFIG)
            if os.path.exists(os.path.join(source, f))]
   record = os.path.join(target, workdir_lib.JOB_CONFIG)
   if os.path.exists(record):
     with open(record) as mine, open(os.path.join(source, workdir_lib.JOB_CONFIG)) as chosen:
-      if mine.read() != chosen.read():
-        raise UserError(f'{target} holds a fine-tune of other settings than the chosen recipe; '
-                        'use another --workdir for the recipe search')
-    if os.path.exists(os.path.join(target, workdir_lib.TASK_VECTOR)):
+      same = mine.read() == chosen.read()
+    if same and os.path.exists(os.path.join(target, workdir_lib.TASK_VECTOR)):
       return
+    if not same:
+      logging.info('recipe search: the fine-tune chosen now replaces the one at %s', target)
   with atomic.directory(target) as tmp:
     for f in files:
       shutil.copy2(os.path.join(source, f), os.path.join(tmp, f))
