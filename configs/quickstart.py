@@ -78,9 +78,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The recipe search (launch.recipe_search): every regime fine-tuned on every task at each
   # learning_rate × steps (at finetune.seed), the point of best mean validation accuracy chosen
   # per regime, then the protocols run at each regime's own recipe, once per fine-tuning seed
-  # of `seeds` (mean ± std over them).
+  # of `seeds` (mean ± std over them). `records`, a directory, gathers regimes searched in
+  # separate workdirs: a run first restores each <regime>.json there that its workdir lacks,
+  # and at its end saves every regime it tabulates there (docs/recipe_search holds ours).
   config.recipe_search = ml_collections.ConfigDict(dict(
-      learning_rate=(3e-5, 1e-4, 3e-4, 1e-3), steps=(100, 300), seeds=(0, 1, 2)))
+      learning_rate=(3e-5, 1e-4, 3e-4, 1e-3), steps=(100, 300), seeds=(0, 1, 2), records=''))
 
   # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk
   # of per-example gradients scored at once.

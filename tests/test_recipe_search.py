@@ -134,7 +134,7 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
     json.dump(records, f)
   other = tiny_search()
   other.regimes = 'attention_only'
-  other.recipe_search.learning_rate = (3e-3,)
+  other.recipe_search.update(learning_rate=(3e-3,), records=os.path.join(workdir, 'records'))
   both = recipe_search.run(other, workdir)
   assert list(both['search']) == ['full', 'attention_only', 'l_lora']  # the regimes' order
   assert list(both['seeds']) == ['full', 'attention_only']
@@ -152,6 +152,21 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
         in text
   with open(os.path.join(root, 'seeds.png'), 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+  # Its records, restored into a fresh workdir, put back every tabulated regime's search and
+  # its evaluation at every seed, where a later run there reads them.
+  fresh = os.path.join(workdir, 'fresh')
+  restored = recipe_search.restore_records(other, fresh, other.recipe_search.records)
+  assert sorted(restored) == ['attention_only', 'full']
+  with open(os.path.join(fresh, 'recipe_search', 'results.json')) as f:
+    assert json.load(f) == {r: both['search'][r] for r in restored}
+  for regime in restored:
+    for seed_dir in ('', os.path.join('recipe_search', 'seed1')):
+      evaluation = os.path.join(seed_dir, 'evaluation', regime, 'results.json')
+      with open(os.path.join(workdir, evaluation)) as a, open(os.path.join(fresh, evaluation)) as b:
+        assert json.load(a) == json.load(b)
+  # A workdir's own finished searches are never replaced by records.
+  assert recipe_search.restore_records(other, workdir, other.recipe_search.records) == []
 
   # A regime searched with other fine-tuning settings would sit in the tables beside full's.
   other.regimes, other.finetune.batch_size = 'talos', 16
@@ -220,3 +235,23 @@ def test_bad_seeds_are_named_before_any_work(tmp_path, seeds):
   with pytest.raises(UserError, match=r'config.recipe_search.seeds = .*: at least one'):
     recipe_search.run(config, str(tmp_path))
   assert not os.listdir(tmp_path)
+
+
+def test_records_are_refused_when_evaluated_otherwise_or_malformed(tmp_path):
+  config, records = tiny_search(), tmp_path / 'records'
+  records.mkdir()
+  evaluation = tmp_path / 'other' / 'evaluation'
+  evaluation.mkdir(parents=True)
+  (evaluation / workdir_lib.JOB_CONFIG).write_text('{"base": "another backbone"}')
+  (records / 'full.json').write_text(json.dumps(
+      {'search': searched({(1e-3, 6): 0.5}), 'evaluations': {'0': {}},
+       'settings': {'base': 'the shipped backbone'}}))
+  with pytest.raises(UserError, match=r'full.json was evaluated with other settings than .*'
+                     r'other/evaluation'):
+    recipe_search.restore_records(config, str(tmp_path / 'other'), str(records))
+  assert os.listdir(tmp_path / 'other') == ['evaluation']
+  (records / 'full.json').write_text('{"search": {}}')
+  with pytest.raises(UserError, match=r'full.json is not a recipe search record'):
+    recipe_search.restore_records(config, str(tmp_path / 'fresh'), str(records))
+  with pytest.raises(UserError, match=r'recipe_search/seeds.json is missing'):
+    recipe_search.save_records(config, str(tmp_path / 'fresh'), str(records))

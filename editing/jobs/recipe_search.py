@@ -21,6 +21,9 @@ regimes searched by separate runs (`--config.regimes=talos`, later `--config.reg
 results.json, seeds.json, seeds.png, report.md and the printed tables cover every regime it
 holds. A choice on the grid's edge (named in the log and the table) can be followed by a wider
 grid in the same workdir: the finished points are reused, and a new choice replaces the old.
+Regimes searched in separate workdirs, on other machines or days, gather through
+`config.recipe_search.records`: a directory of each regime's search and evaluations at every
+seed (<regime>.json), restored into the workdir before a run and saved after it.
 """
 
 import json
@@ -55,6 +58,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   grid = points(config)
   seeds = _seeds(config)
   root = os.path.join(workdir, 'recipe_search')
+  records = config.recipe_search.records
+  if records and os.path.isdir(records):
+    restored = restore_records(config, workdir, records)
+    logging.info('recipe search: %s restored from %s', ', '.join(restored) or 'nothing', records)
   search = _recorded(os.path.join(root, 'results.json'))
   _check_targets(config, workdir, grid, list(search))
   pretrain.run(config, workdir)
@@ -76,6 +83,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   plot_spread(by_seed, os.path.join(root, 'seeds.png'))
   atomic.write_bytes(os.path.join(root, 'report.md'), markdown(search, spread).encode())
   print(seed_table(search, spread))
+  if records:
+    logging.info('recipe search: %s saved to %s',
+                 ', '.join(save_records(config, workdir, records)), records)
   return {'search': search, 'evaluation': evaluation, 'seeds': spread}
 
 
@@ -148,8 +158,7 @@ def _evaluations(config: ml_collections.ConfigDict, workdir: str, names: list[st
   evaluation/<regime>/results.json); the others are named in a warning."""
   found = {}
   for regime in names:
-    files = [os.path.join(workdir_lib.evaluation_dir(_seed_workdir(config, workdir, s), regime),
-                          'results.json') for s in seeds]
+    files = [_evaluation_file(config, workdir, regime, s) for s in seeds]
     missing = [s for s, f in zip(seeds, files) if not os.path.exists(f)]
     if missing:
       logging.warning('recipe search: %s has no evaluation at seeds %s; it is left out of '
@@ -159,6 +168,93 @@ def _evaluations(config: ml_collections.ConfigDict, workdir: str, names: list[st
       with open(file) as f:
         found.setdefault(seed, {'regimes': {}})['regimes'][regime] = json.load(f)
   return found
+
+
+def save_records(config: ml_collections.ConfigDict, workdir: str, directory: str) -> list[str]:
+  """Each regime this workdir searched and evaluated at every seed (those of
+  recipe_search/seeds.json) as <directory>/<regime>.json: {'search': its entry of
+  recipe_search/results.json, 'evaluations': {seed: evaluation/<regime>/results.json of that
+  seed}, 'settings': what those evaluations depend on besides the vectors (the evaluation's
+  job_config.json)}. Returns the regimes saved.
+
+  Regimes searched in separate workdirs, on other machines or days, are gathered into one by
+  `restore_records`.
+  """
+  root = os.path.join(workdir, 'recipe_search')
+  spread = _read_json(os.path.join(root, 'seeds.json'),
+                      'written once a recipe search has evaluated its regimes at every seed')
+  searched = _read_json(os.path.join(root, 'results.json'), 'the recipe search\'s points')
+  settings = _read_json(os.path.join(workdir_lib.evaluation_root(workdir), workdir_lib.JOB_CONFIG),
+                        'the evaluation\'s settings')
+  for regime, numbers in spread.items():
+    evaluations = {str(s): _read_json(_evaluation_file(config, workdir, regime, s),
+                                      f'the evaluation of {regime} at seed {s}')
+                   for s in numbers['seeds']}
+    atomic.write_json(os.path.join(directory, f'{regime}.json'),
+                      {'search': searched[regime], 'evaluations': evaluations,
+                       'settings': settings})
+  return list(spread)
+
+
+def restore_records(config: ml_collections.ConfigDict, workdir: str,
+                    directory: str) -> list[str]:
+  """Puts each record of `directory` (`save_records`) back into `workdir`, unless the workdir
+  holds a finished search of that regime: its search into recipe_search/results.json and its
+  evaluation at each seed into that seed's workdir. A later run of other regimes in `workdir`
+  then tabulates and plots them beside its own. A record evaluated under other settings (suite,
+  backbone, heads) than the workdir's is refused before anything is written. Returns the
+  regimes restored.
+  """
+  results = os.path.join(workdir, 'recipe_search', 'results.json')
+  searched = {}
+  if os.path.exists(results):
+    searched = _read_json(results, 'the recipe search\'s points')
+  records = {}
+  for name in sorted(n for n in os.listdir(directory) if n.endswith('.json')):
+    path = os.path.join(directory, name)
+    record = _read_json(path, 'a recipe search record')
+    if set(record) != {'search', 'evaluations', 'settings'}:
+      raise UserError(f'{path} is not a recipe search record (its keys are '
+                      f'{sorted(record)}, not evaluations, search and settings)')
+    regime = name.removesuffix('.json')
+    if not searched.get(regime, {}).get('complete'):
+      records[regime] = record
+  for regime, record in records.items():
+    for seed in record['evaluations']:
+      evaluation_root = workdir_lib.evaluation_root(_seed_workdir(config, workdir, int(seed)))
+      if _differs(evaluation_root, record['settings']):
+        raise UserError(f'{os.path.join(directory, regime)}.json was evaluated with other '
+                        f'settings than {evaluation_root}; restore it into another workdir')
+  for regime, record in records.items():
+    for seed, evaluation in record['evaluations'].items():
+      seed_workdir = _seed_workdir(config, workdir, int(seed))
+      workdir_lib.check_job_config(workdir_lib.evaluation_root(seed_workdir), record['settings'])
+      atomic.write_json(_evaluation_file(config, workdir, regime, int(seed)), evaluation)
+    searched[regime] = record['search']
+  atomic.write_json(results, searched)
+  return list(records)
+
+
+def _differs(directory: str, settings: dict) -> bool:
+  """Whether `directory` records other job settings than `settings` (nothing is written)."""
+  recorded = os.path.exists(os.path.join(directory, workdir_lib.JOB_CONFIG))
+  return recorded and not workdir_lib.recorded_as(directory, settings)
+
+
+def _evaluation_file(config: ml_collections.ConfigDict, workdir: str, regime: str,
+                     seed: int) -> str:
+  return os.path.join(workdir_lib.evaluation_dir(_seed_workdir(config, workdir, seed), regime),
+                      'results.json')
+
+
+def _read_json(path: str, what: str) -> dict:
+  if not os.path.exists(path):
+    raise UserError(f'{path} is missing ({what})')
+  with open(path) as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise UserError(f'{path} is not JSON ({what}): {e}') from None
 
 
 def _seeds(config: ml_collections.ConfigDict) -> list[int]:
