@@ -58,8 +58,16 @@ def test_the_report_tabulates_the_grid_and_the_spread():
              'negation_control')
   spread = {'talos': {'seeds': [0, 1, 2],
                       'mean': {**dict.fromkeys(numbers, 0.5), 'xi': 0.25},
-                      'std': {**dict.fromkeys(numbers, 0.012), 'xi': 0.0131}}}
+                      'std': {**dict.fromkeys(numbers, 0.012), 'xi': 0.0131},
+                      'per_task': {'pretrained': {'size': 0.25, 'colour': 0.5},
+                                   'finetuned': {'size': 1.0, 'colour': 0.875},
+                                   'addition': {'size': 0.75, 'colour': 0.625},
+                                   'negation_target': {'size': 0.125, 'colour': 0.0625}}}}
   lines = recipe_search.markdown(search, spread).splitlines()
+  assert lines.count('| regime | size | colour |') == 2
+  assert lines.count('| pretrained | 25.0 | 50.0 |') == 2
+  assert '| talos | 100.0 → 75.0 | 87.5 → 62.5 |' in lines
+  assert '| talos | 12.5 | 6.2 |' in lines
   assert '| regime | lr | 100 steps | 300 steps |' in lines
   assert '| talos | 0.0001 | 50.0 | 62.5 |' in lines
   assert '| talos | 0.001 | **75.0** |  |' in lines
@@ -113,6 +121,12 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
     assert spread['per_seed'][number] == pytest.approx(values)
     assert spread['mean'][number] == pytest.approx(np.mean(values))
     assert spread['std'][number] == pytest.approx(np.std(values, ddof=1))
+  for task in ('colour', 'size'):
+    for number, of in (('finetuned', lambda r: r['finetuned'][task]['test']),
+                       ('addition', lambda r: r['addition']['test'][task]),
+                       ('negation_target', lambda r: r['negation'][task]['target_test'])):
+      assert spread['per_task'][number][task] == pytest.approx(
+          np.mean([of(e['regimes']['full']) for e in evaluations]))
 
   def no_training(*args, **kwargs):
     raise AssertionError('a finished point was fine-tuned again')
