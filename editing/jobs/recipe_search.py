@@ -357,6 +357,7 @@ def plot_spread(by_seed: dict[int, dict], path: str) -> None:
   negation.set(title='task negation: target, control (dashed)', xlabel='α',
                ylabel='mean val accuracy')
   xi.set(title='weight disentanglement', ylabel='mean ξ')
+  xi.tick_params(axis='x', labelrotation=20)
   addition.legend(fontsize=8)
   fig.suptitle(f'mean ± std over {len(seeds)} fine-tuning seeds')
   fig.tight_layout()
