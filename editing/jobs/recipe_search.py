@@ -345,8 +345,8 @@ def plot_spread(by_seed: dict[int, dict], path: str) -> None:
     _band(addition, regime, colour, [p['alpha'] for p in curve],
           [[p['normalized_val'] for p in r['addition']['curve']] for r in runs])
     curve = runs[0]['negation'][runs[0]['tasks'][0]]['curve']
-    for accuracy, style in (('target_val', '-'), ('control_val', '--')):
-      _band(negation, regime if style == '-' else None, colour, [p['alpha'] for p in curve],
+    for accuracy, label, style in (('target_val', regime, '-'), ('control_val', None, '--')):
+      _band(negation, label, colour, [p['alpha'] for p in curve],
             [np.mean([[p[accuracy] for p in r['negation'][t]['curve']] for t in r['tasks']],
                      axis=0) for r in runs], style)
     means = [r['disentanglement']['mean'] for r in runs]
