@@ -5,7 +5,9 @@ method's config name to a `Method`: its `merge` function, what besides the task 
 whether λ is free (chosen on validation, like task arithmetic's, on 0 … `lambda_max`) or the
 merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging and DAM, whose
 coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
-settings are declared beside its function (`editing.settings`).
+settings are declared beside its function (`editing.settings`), and so is what a sparsifying
+method keeps of each vector (`merging.sparsity`), which the in-memory and the streamed merges
+both read.
 
 LoRA task vectors are merged by every method as their dense ΔW = s·B A, and as factors by the
 LoRA-space methods (KnOTS, LoRM, PEFT's combinations), whose merges stay LoRA vectors.
@@ -32,6 +34,7 @@ from merging import consensus
 from merging import dam
 from merging import dare
 from merging import della
+from merging import extract
 from merging import fisher
 from merging import iso_c
 from merging import iso_cts
@@ -42,12 +45,14 @@ from merging import magmax
 from merging import model_stock
 from merging import multislerp
 from merging import nearswap
+from merging import negation
 from merging import nuslerp
 from merging import peft_combinations
 from merging import regmean
 from merging import regmean_plusplus
 from merging import sce
 from merging import slerp
+from merging import sparsity as sparsity_lib
 from merging import task_arithmetic
 from merging import ties
 from merging import tsv_m
@@ -57,6 +62,7 @@ from merging import wudi
 # θ0, the plain model apply_fn(params, images), per-task data (`common.TaskData`), and the
 # true backdoor trigger (only the oracle ablation of DAM reads it).
 INPUTS = ('key', 'theta0', 'apply_fn', 'data', 'trigger')
+WRITES = ('weights', 'delta')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +78,11 @@ class Method:
   split: str = 'train'
   refused_regimes: tuple[str, ...] = ()  # regimes whose task vectors it cannot merge
   section: str | None = None  # the config section of its settings, if not its own name
-  # What a streamed checkpoint merge must do before a tensor's blocks merge: rank its
-  # magnitudes whole (TIES' top-k, Breadcrumbs' band), or take it whole (DARE's draws span
-  # the tensor's shape).
-  ranked: bool = False
+  # What a sparsifying method keeps of each vector (`merging.sparsity`): sparsity(**settings)
+  # of one vector's settings; its merge takes what a streamed merge found beforehand as `keep`
+  # (the masks of its cuts) and `dropped` (the vectors after its draws).
+  sparsity: Callable[..., sparsity_lib.Sparsity] | None = None
+  # Whether a streamed merge must hold each tensor whole (an SVD, a cosine over it).
   whole_tensor: bool = False
   # Whether an entry's merge reads only that entry of each task vector (a streamed merge may
   # then split a tensor over devices); not so for an SVD or a cosine over the tensor.
@@ -87,11 +94,16 @@ class Method:
   # Whether it merges LoRA vectors as their factors; every other method merges the dense
   # ΔW = s·B A of LoRA vectors.
   low_rank: bool = False
+  # What a checkpoint merge writes: 'weights', θ0 + λ·τ_m in the plan's dtype; or 'delta',
+  # τ_m itself in float32.
+  writes: str = 'weights'
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
     if unknown:
       raise ValueError(f'a merging method reads {unknown}, which are not of {INPUTS}')
+    if self.writes not in WRITES:
+      raise ValueError(f'a merging method writes one of {WRITES}, not {self.writes!r}')
 
   @property
   def data_free(self) -> bool:
@@ -119,9 +131,10 @@ _LOW_RANK = dict(low_rank=True, whole_tensor=True, elementwise=False)
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
     'task_arithmetic': Method(task_arithmetic.merge),
-    'ties': Method(ties.merge, ranked=True, lambda_max=2.0, per_vector=('density',)),
-    'dare': Method(dare.merge, reads=('key',), whole_tensor=True, per_vector=('p', 'density')),
-    'breadcrumbs': Method(breadcrumbs.merge, ranked=True, lambda_max=2.0),
+    'ties': Method(ties.merge, sparsity=ties.sparsity, lambda_max=2.0, per_vector=('density',)),
+    'dare': Method(dare.merge, reads=('key',), sparsity=dare.sparsity,
+                   per_vector=('p', 'density')),
+    'breadcrumbs': Method(breadcrumbs.merge, sparsity=breadcrumbs.sparsity, lambda_max=2.0),
     'consensus': Method(consensus.merge),
     'magmax': Method(magmax.merge),
     # The SVD-era merges: each matrix is decomposed whole.
@@ -144,6 +157,9 @@ REGISTRY: dict[str, Method] = {
     'multislerp': Method(multislerp.merge, **_SPHERICAL),
     'karcher': Method(karcher.merge, **_SPHERICAL),
     'nearswap': Method(nearswap.merge, vectors=1, scaled=False),
+    # One fine-tuned model's vector negated (θ0 − λ·τ_1), or written as it is (τ_1).
+    'negation': Method(negation.merge, vectors=1),
+    'extract': Method(extract.merge, vectors=1, scaled=False, writes='delta'),
     'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
                            whole_tensor=True, elementwise=False),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel (its merge is a

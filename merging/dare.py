@@ -32,6 +32,7 @@ from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import sparsity as sparsity_lib
 from merging import task_arithmetic
 from merging import ties
 
@@ -44,6 +45,15 @@ def drop(task_vectors: Sequence[TaskVector], ps: Sequence[float], key: jax.Array
   tasks' names."""
   return [v.replace(delta=ops.drop_and_rescale(v.delta, p, ops.vector_key(key, v.tasks), rescale))
           for v, p in zip(task_vectors, ps)]
+
+
+def sparsity(*, p: float, rescale: str, then: str, density: float, scope: str,
+             **_) -> sparsity_lib.Sparsity:
+  """What DARE keeps of one vector: each entry with probability 1 − p, rescaled (`drop`);
+  before TIES below density 1, then TIES' cut of the dropped τ̃ (at 1 it keeps every entry)."""
+  cut = (ties.sparsity(density=density, scope=scope).cut if then == 'ties' and density < 1
+         else None)
+  return sparsity_lib.Sparsity(draw=sparsity_lib.Draw(p, rescale), cut=cut)
 
 
 @settings.declare(

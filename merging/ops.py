@@ -12,42 +12,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import tree as tree_lib
+from merging import sparsity
 
 PyTree = Any
 SCOPES = tree_lib.SCOPES
 
 
-def largest_count(density: float) -> Callable[[int], int]:
-  """How many of n magnitudes TIES keeps: max(1, ⌊density·n⌋), as mergekit does."""
-  return lambda n: max(1, int(density * n))
-
-
-def band_counts(top: float, bottom: float) -> tuple[Callable[[int], int], Callable[[int], int]]:
-  """How many of n magnitudes are not among the ⌊bottom·n⌋ smallest, and how many are the
-  ⌊top·n⌋ largest: Breadcrumbs keeps the first set without the second."""
-  return (lambda n: n - int(bottom * n)), (lambda n: int(top * n))
-
-
 def keep_largest(delta: PyTree, density: float, scope: str = 'global') -> PyTree:
-  """Boolean masks of the top-`density` magnitudes: max(1, ⌊density·n⌋) entries, exactly.
+  """Boolean masks of the top-`density` magnitudes: max(1, ⌊density·n⌋) entries, exactly
+  (`sparsity.largest`).
 
   scope='tensor' keeps that share of every leaf on its own (as mergekit does); scope='global'
   ranks the whole tree at once (as the TIES paper and FusionBench do). Ties go to the earlier
   entry (path order, then row-major), so the count is exact.
   """
-  # The builtin abs keeps numpy leaves numpy, which top_k ranks on the host without a compile.
-  return tree_lib.top_k(jax.tree.map(abs, delta), largest_count(density), scope)
+  return sparsity.kept(delta, sparsity.largest(density, scope))
 
 
 def keep_band(delta: PyTree, top: float, bottom: float) -> PyTree:
-  """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes."""
-  not_smallest, largest = band_counts(top, bottom)
-  magnitudes = jax.tree.map(abs, delta)
-  # One ranking for both cuts (ties to the earlier entry), so the largest are a subset of the
-  # not-smallest and exactly the band between them remains.
-  return jax.tree.map(lambda keep, drop: keep & ~drop,
-                      tree_lib.top_k(magnitudes, not_smallest, 'tensor'),
-                      tree_lib.top_k(magnitudes, largest, 'tensor'))
+  """Per-leaf masks dropping the ⌊top·n⌋ largest and the ⌊bottom·n⌋ smallest magnitudes
+  (`sparsity.band`)."""
+  return sparsity.kept(delta, sparsity.band(top, bottom))
 
 
 def where(mask: PyTree, delta: PyTree) -> PyTree:

@@ -23,15 +23,23 @@ from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import sparsity as sparsity_lib
+
+
+def sparsity(*, density: float, scope: str, **_) -> sparsity_lib.Sparsity:
+  """What TIES keeps of one vector: its max(1, ⌊density·n⌋) largest magnitudes, of each
+  tensor or of the whole vector (`scope`)."""
+  return sparsity_lib.Sparsity(cut=sparsity_lib.largest(density, scope))
 
 
 def trim(task_vectors: Sequence[TaskVector], densities: Sequence[float], scope: str,
          keep: Sequence[Any] | None = None) -> list:
   """τ̂_t: each vector's deltas with all but its top-`densities[t]` magnitudes zeroed; `keep`,
-  if given, holds those masks already ranked (a streamed merge ranks a whole model in a pass
-  of its own, then merges a tensor at a time)."""
+  if given, holds those masks already ranked (a streamed merge ranks a tensor, or a whole
+  model, in passes of its own, then merges a block at a time)."""
   if keep is None:
-    keep = [ops.keep_largest(v.delta, d, scope) for v, d in zip(task_vectors, densities)]
+    keep = [sparsity_lib.kept(v.delta, sparsity(density=d, scope=scope).cut)
+            for v, d in zip(task_vectors, densities)]
   return [ops.where(k, v.delta) for k, v in zip(keep, task_vectors)]
 
 

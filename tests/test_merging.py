@@ -150,6 +150,10 @@ def single_vector_output(name, vector):
     return {p: np.sign(t) * np.minimum(np.abs(t), np.float32(1e-3)) for p, t in tau.items()}
   if name == 'consensus':  # no entry is used by min_tasks = 2 tasks
     return {k: np.zeros_like(v) for k, v in tau.items()}
+  if name == 'negation':
+    return {p: -t for p, t in tau.items()}
+  if name == 'extract':
+    return tau
   raise AssertionError(name)
 
 

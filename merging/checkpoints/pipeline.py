@@ -17,7 +17,7 @@ from editing.models import hf
 # processor's cache from its read to its write.
 BLOCK = 1 << 18
 
-# Tensors prepared (TIES' and Breadcrumbs' rankings), two at a time, ahead of the one being
+# Tensors prepared (the rankings of a method's cuts), two at a time, ahead of the one being
 # merged, so that the ranking threads keep busy through a run of small tensors.
 _PREPARED_AHEAD, _PREPARING = 3, 2
 

@@ -2,9 +2,10 @@
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -12,12 +13,14 @@ import numpy as np
 import merging
 from editing.errors import UserError
 from editing import settings as settings_lib
+from merging import sparsity as sparsity_lib
 from merging.checkpoints import extraction
 from merging.checkpoints import layered
 
-# Beside the data-free merges: θ0 − λ·τ_1, τ_1 itself, and τ_1 as a LoRA adapter
-# (`extraction`), of one fine-tuned model.
-SINGLE_MODEL = ('negation', 'extract', 'extract_lora')
+# Beside the data-free merges of `merging`, the jobs of one fine-tuned model that write no
+# merged weights, with the declarations of their settings: τ_1 as a LoRA adapter.
+_BESIDE = {'extract_lora': extraction.options}
+SINGLE_MODEL = tuple(_BESIDE)
 OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes.bfloat16),
                  'float16': np.dtype(np.float16)}
 
@@ -40,7 +43,7 @@ class Plan:
   method: str
   settings: dict
   scale: float = 1.0  # λ
-  seed: int = 0  # DARE's key
+  seed: int = 0  # the key of the method's random draws
   shard_bytes: int = 2 * 1024**3
   allow_nonfinite: bool = False
   weights: tuple[float, ...] | None = None  # per fine-tuned model, in order
@@ -72,14 +75,10 @@ class Plan:
         raise UserError(f'config.method = {self.method!r} reads data ({", ".join(entry.reads)});'
                         f' checkpoint merging runs only the data-free methods {known}')
       raise UserError(f'config.method = {self.method!r} is not a checkpoint merge; known: {known}')
-    settings = dict(self.settings)
-    if self.method == 'extract_lora':
-      settings = settings_lib.check(extraction.options, settings, 'config.extract_lora')
-    elif self.method in SINGLE_MODEL:
-      if settings:
-        raise UserError(f'config.{self.method} takes no settings, got {sorted(settings)}')
-    else:
-      settings = merging.check_settings(self.method, settings, f'config.{self.method}')
+    where = f'config.{self.method}'
+    settings = (settings_lib.check(_BESIDE[self.method], self.settings, where)
+                if self.method in _BESIDE else
+                merging.check_settings(self.method, self.settings, where))
     object.__setattr__(self, 'settings', settings)
     if not _is_number(self.scale) or not math.isfinite(self.scale):
       raise UserError(f'config.scale = {self.scale!r}: must be a finite number')
@@ -89,11 +88,8 @@ class Plan:
       raise UserError(f'config.shard_bytes = {self.shard_bytes!r}: must be a positive integer')
     if not _is_integer(self.prefetch) or self.prefetch < 1:
       raise UserError(f'config.prefetch = {self.prefetch!r}: must be an integer ≥ 1')
-    if self.allow_nonfinite and (self.ranked or self.global_ties):
-      raise UserError(f'config.allow_nonfinite: {self.method} ranks magnitudes, and a NaN has '
-                      'no rank; it cannot allow non-finite inputs')
     if self.weights is not None:
-      if self.method in SINGLE_MODEL or not merging.get(self.method).weighted:
+      if self.entry is None or not self.entry.weighted:
         weighted = [n for n, m in merging.REGISTRY.items() if m.data_free and m.weighted]
         raise UserError(f'config.weights: {self.method} takes no per-model weights; the '
                         f'methods that do: {weighted}')
@@ -103,6 +99,9 @@ class Plan:
                         'zero')
     self._check_per_model()
     self._check_layered()
+    if self.allow_nonfinite and self.ranked:
+      raise UserError(f'config.allow_nonfinite: {self.method} ranks magnitudes, and a NaN has '
+                      'no rank; it cannot allow non-finite inputs')
     if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
       raise UserError(f'config.dtype = {self.dtype!r}: the output can be written in one of '
                       f'{sorted(OUTPUT_DTYPES)}')
@@ -111,7 +110,7 @@ class Plan:
     """Each setting given per model is one the method takes so, every value valid."""
     if not self.per_model:
       return
-    allowed = () if self.method in SINGLE_MODEL else merging.get(self.method).per_vector
+    allowed = () if self.entry is None else self.entry.per_vector
     for setting, values in self.per_model:
       if setting not in allowed:
         raise UserError(f'config.per_model.{setting}: {self.method} takes '
@@ -122,8 +121,13 @@ class Plan:
 
   def model_setting(self, setting: str, model: int) -> Any:
     """Setting `setting` of fine-tuned model `model`: its own where given per model."""
-    own = dict(self.per_model).get(setting)
-    return self.settings[setting] if own is None else own[model]
+    return self.model_settings(model)[setting]
+
+  def model_settings(self, model: int) -> dict:
+    """Every setting of fine-tuned model `model`: its own where given per model (a count
+    of values that is not the models' is refused by the merge)."""
+    return {**self.settings,
+            **{k: values[model] for k, values in self.per_model if model < len(values)}}
 
   def _check_layered(self) -> None:
     """Each varying value names a field the plan has, and every value it names is valid."""
@@ -153,9 +157,9 @@ class Plan:
       else:
         raise UserError(f'{where}: {self.method} has no setting {field!r}; varying values may '
                         f'be given to {sorted(self.settings) + ["scale", "weights.<i>"]}')
-    if self.layered and self.global_ties:
-      raise UserError('config.layered: a TIES ranking over the whole model (scope global) '
-                      'takes one density; give scope=tensor')
+    if self.layered and self.global_cut:
+      raise UserError(f'config.layered: {self.method} ranks each model\'s magnitudes over the '
+                      'whole model (scope global), one count per model; give scope=tensor')
 
   def at(self, name: str, t: float) -> 'Plan':
     """The plan of the tensor `name` at layer position t (`layered`): every varying value
@@ -183,49 +187,75 @@ class Plan:
                                per_model=tuple((k, tuple(v)) for k, v in per_model.items()))
 
   @property
+  def entry(self) -> merging.Method | None:
+    """The method's entry of `merging.REGISTRY`; None for a job beside them (SINGLE_MODEL)."""
+    return None if self.method in _BESIDE else merging.get(self.method)
+
+  def sparsity(self, model: int) -> sparsity_lib.Sparsity:
+    """What the method keeps of fine-tuned model `model`'s vector, as it declares it (nothing
+    dropped where it declares nothing)."""
+    declared = self.entry and self.entry.sparsity
+    return declared(**self.model_settings(model)) if declared else sparsity_lib.Sparsity()
+
+  @functools.cached_property
+  def _sparsities(self) -> tuple[sparsity_lib.Sparsity, ...]:
+    """Every sparsity a vector of a tensor may get: at the plan's settings and at each model's,
+    under every combination of the values the varying fields give them."""
+    declared = self.entry and self.entry.sparsity
+    return tuple(declared(**settings) for settings in self._variants()) if declared else ()
+
+  def _variants(self) -> Iterator[dict]:
+    """The plan's settings and each model's, with each combination of the values `layered`
+    names for them (an interval's ends bound what it resolves to between them)."""
+    models = max((len(values) for _, values in self.per_model), default=0)
+    varying = []  # (setting, the model it is of or None for all, its values)
+    for field, spec in self.layered:
+      setting, _, index = field.rpartition('.')
+      if field in self.settings:
+        varying.append((field, None, list(layered.anchors(spec))))
+      elif setting in dict(self.per_model):
+        varying.append((setting, int(index), list(layered.anchors(spec))))
+    for model in [None, *range(models)]:
+      settings = self.settings if model is None else self.model_settings(model)
+      own = [v for v in varying if v[1] is None or v[1] == model]
+      for values in itertools.product(*[v[2] for v in own]):
+        yield {**settings, **{v[0]: value for v, value in zip(own, values)}}
+
+  @property
   def ranked(self) -> bool:
-    """Whether each tensor's magnitudes are ranked whole before its blocks merge."""
-    return self.method not in SINGLE_MODEL and merging.get(self.method).ranked
+    """Whether the method cuts each model's ranked magnitudes (`sparsity.Cut`)."""
+    return any(s.cut is not None for s in self._sparsities)
+
+  @property
+  def global_cut(self) -> bool:
+    """Whether it ranks each model's magnitudes over the whole model: a ranking's passes come
+    first."""
+    return any(s.cut is not None and s.cut.scope == 'global' for s in self._sparsities)
+
+  @property
+  def draws(self) -> bool:
+    """Whether the method drops entries at random (`sparsity.Draw`)."""
+    return any(s.draw is not None for s in self._sparsities)
 
   @property
   def whole_tensor(self) -> bool:
-    """Whether each tensor is merged whole (an SVD, a cosine; DARE unless `dare_in_blocks`)."""
-    if self.method == 'dare':
-      return not self.dare_in_blocks
-    return self.method not in SINGLE_MODEL and merging.get(self.method).whole_tensor
-
-  @property
-  def dare_in_blocks(self) -> bool:
-    """DARE followed by task arithmetic, or by TIES keeping every entry (mergekit's dare_ties),
-    everywhere: its merge of an entry reads that entry of each input, a block's draws are its
-    own (`ops.kept_entries`), and an L1 rescale needs only the tensor's two norms, so it merges
-    a block at a time. TIES at a lower density ranks the dropped tensor whole."""
-    if self.method != 'dare' or any(f.split('.')[0] == 'density' for f, _ in self.layered):
-      return False
-    densities = [self.settings['density'], *dict(self.per_model).get('density', ())]
-    return self.settings['then'] == 'task_arithmetic' or all(d == 1 for d in densities)
+    """Whether each tensor is merged whole, op by op: the method reads a tensor whole (an SVD,
+    a cosine), or it ranks what its draws left, which the merge of the whole tensor draws and
+    ranks as the in-memory merge does. Decided for the whole model, whatever varies by layer."""
+    return self.entry is not None and (self.entry.whole_tensor or any(
+        s.draw is not None and s.cut is not None for s in self._sparsities))
 
   @property
   def elementwise(self) -> bool:
-    """Whether the merge of an entry reads only that entry of each input (not so for DARE
+    """Whether the merge of an entry reads only that entry of each input (not so for draws
     rescaled to each tensor's L1 norm, a sum over the tensor)."""
-    if self.method in SINGLE_MODEL:
-      return True
-    l1_rescaled = self.method == 'dare' and self.settings['rescale'] == 'l1_norm'
-    return merging.get(self.method).elementwise and not l1_rescaled
-
-  @property
-  def global_ties(self) -> bool:
-    """TIES (alone or after DARE) ranking each model's magnitudes as a whole: its select's passes
-    come first."""
-    ties_follows = self.method == 'ties' or (self.method == 'dare' and
-                                             self.settings['then'] == 'ties')
-    return ties_follows and self.settings['scope'] == 'global'
+    return self.entry is None or self.entry.elementwise and not any(
+        s.draw is not None and s.draw.norms for s in self._sparsities)
 
   def output_dtype(self, base_dtype: np.dtype) -> np.dtype:
     """The dtype a floating tensor is written in: τ in float32, merged weights in the plan's
     dtype, else the base's."""
-    if self.method == 'extract':
+    if self.entry is not None and self.entry.writes == 'delta':
       return np.dtype(np.float32)
     return OUTPUT_DTYPES[self.dtype] if self.dtype else np.dtype(base_dtype)
 

@@ -1,5 +1,6 @@
 """How a streamed merge ranks magnitudes whole while it merges a block at a time: each model's
-|τ| ranked on the host by `editing.cuts` into cuts (a threshold and the last tie kept), per
+|τ| (or what its draw left) ranked on the host by `editing.cuts` at the counts of the cut its
+method declares (`merging.sparsity.Cut`), into cuts (a threshold and the last tie kept), per
 tensor or, with scope 'global', over all of a model's floating tensors; the passes of the
 select read a large tensor a block at a time and the global ranking's read each tensor whole."""
 
@@ -13,9 +14,8 @@ import numpy as np
 
 from editing import cuts
 from editing.models import hf
-from editing.task_vector import TaskVector
-from merging import dare
 from merging import ops
+from merging import sparsity
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 
@@ -27,45 +27,63 @@ _HELD = 1 << 24
 _CLUSTERS, _CLUSTER = 64, 1024
 
 
+def cut_of(plan: plan_lib.Plan, model: int) -> sparsity.Cut:
+  """The cut the method declares of model `model`'s vector; of a model it cuts nothing of,
+  one that keeps every entry."""
+  return plan.sparsity(model).cut or sparsity.Cut(lambda n: n)
+
+
 def ranked_by(plan: plan_lib.Plan, model: int, label: str, key: jax.Array) -> Callable:
-  """ranked(name, τ): what TIES ranks of one model's tensor, τ itself, or after DARE its
-  dropped and rescaled τ̃ (the same bits `dare.merge` draws for it)."""
+  """ranked(name, τ): what a model's cut ranks of its tensor: τ itself, or after the model's
+  declared draw its τ̃ (the bits the method's merge draws for it, keyed by `label`)."""
+  draw = plan.sparsity(model).draw
+
   def ranked(name: str, delta) -> np.ndarray:
-    if plan.method == 'dare':
-      vector = TaskVector({name: jnp.asarray(delta)}, (label,), 'full', 'streamed')
-      p = plan.model_setting('p', model)
-      dropped = dare.drop([vector], [p], key, plan.settings['rescale'])
-      delta = dropped[0].delta[name]
+    if draw is not None:
+      delta = ops.drop_and_rescale({name: jnp.asarray(delta)}, draw.p,
+                                   ops.vector_key(key, (label,)), draw.rescale)[name]
     return np.asarray(delta, np.float32)
   return ranked
 
 
+def kept_mask(magnitudes, model_cuts: Sequence[cuts.Cut]):
+  """What a model's cuts of a tensor keep of its `magnitudes` (numpy on the host, or a block
+  traced in jnp): the first count's largest, less the second's (`sparsity.Cut`)."""
+  masks = [cuts.cut_mask(magnitudes, cut) for cut in model_cuts]
+  return masks[0] if len(masks) == 1 else masks[0] & ~masks[1]
+
+
 class GlobalRanking:
   """One model's exact top-k of |τ| over all its floating tensors (in name order, then
-  row-major; ties to the earlier entry, as `editing.tree.top_k` breaks them), found by one
-  `editing.cuts.select` whose chunks are the tensors, so that each tensor's cut is computed
-  alone and keeps what the in-memory global ranking keeps."""
+  row-major; ties to the earlier entry, as `editing.tree.top_k` breaks them) for each count of
+  its cut, found by one `editing.cuts.select` whose chunks are the tensors, so that each
+  tensor's cut is computed alone and keeps what the in-memory global ranking keeps."""
 
   def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
-               density: float, ranked: Callable[[str, np.ndarray], np.ndarray]):
+               cut: sparsity.Cut, ranked: Callable[[str, np.ndarray], np.ndarray]):
     self.names = [n for n in names if is_floating(base, n)]
     self.index = {name: i for i, name in enumerate(self.names)}
     self.ranked = ranked
     total = sum(math.prod(base.header(n)[0]) for n in self.names)
-    self.kept = ops.largest_count(density)(total)
-    self.selection = None
-    if cuts.fixed_cut(total, self.kept) is None:
+    self.kept = [count(total) for count in cut.counts]
+    # A count that keeps none or all of the entries reads none of them.
+    self.selections = [None] * len(self.kept)
+    todo = [j for j, k in enumerate(self.kept) if cuts.fixed_cut(total, k) is None]
+    if todo:
       magnitudes = lambda: (
           np.abs(ranked(n, pipeline.host_delta(tuned.tensor(n), base.tensor(n))))
           for n in self.names)
-      self.selection, = cuts.select(magnitudes, np.float32, total, [self.kept])
+      found = cuts.select(magnitudes, np.float32, total, [self.kept[j] for j in todo])
+      for j, selection in zip(todo, found):
+        self.selections[j] = selection
 
-  def cut(self, name: str, magnitudes: np.ndarray) -> cuts.Cut:
-    """What the ranking keeps of the tensor `name`, whose ranked magnitudes (|τ|, or DARE's
-    |τ̃|) are `magnitudes`, flat."""
-    if self.selection is None:
-      return cuts.fixed_cut(magnitudes.size, magnitudes.size if self.kept > 0 else 0)
-    return self.selection.cut(self.index[name], magnitudes)
+  def cuts(self, name: str, magnitudes: np.ndarray) -> tuple[cuts.Cut, ...]:
+    """What the ranking keeps of the tensor `name`, whose ranked magnitudes (|τ|, or after a
+    draw |τ̃|) are `magnitudes`, flat: a cut per count."""
+    return tuple(
+        cuts.fixed_cut(magnitudes.size, magnitudes.size if kept > 0 else 0) if selection is None
+        else selection.cut(self.index[name], magnitudes)
+        for kept, selection in zip(self.kept, self.selections))
 
 
 def is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
@@ -73,7 +91,7 @@ def is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
 
 
 class TensorRanking:
-  """The cuts of each model's ranked masks of a tensor (TIES' largest, Breadcrumbs' band),
+  """The cuts of each model's ranked masks of a tensor (the counts of its declared cut),
   computed on the host before the tensor's pipeline.blocks merge; with scope 'global', from each
   model's `GlobalRanking`. `pool` runs each model's ranking in a thread."""
 
@@ -81,11 +99,10 @@ class TensorRanking:
                pool: concurrent.futures.Executor, key: jax.Array, labels: Sequence[str]):
     self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
     # Before anything is written: the global select's passes read every tensor.
-    self.rankings = ([GlobalRanking(base, ckpt, sorted(base.files),
-                                    plan.model_setting('density', i),
+    self.rankings = ([GlobalRanking(base, ckpt, sorted(base.files), cut_of(plan, i),
                                     ranked_by(plan, i, label, key))
                       for i, (ckpt, label) in enumerate(zip(self.tuned, labels))]
-                     if plan.global_ties else None)
+                     if plan.global_cut else None)
 
   def magnitudes(self, name: str, model: int, start: int, stop: int) -> np.ndarray:
     """|τ| of entries [start, stop) of one model's tensor, flat, in float32 (the values the
@@ -103,20 +120,16 @@ class TensorRanking:
     return out
 
   def cuts(self, name: str, size: int, plan: plan_lib.Plan) -> list[tuple[cuts.Cut, ...]]:
-    """Each model's cuts of its ranked masks of the tensor: TIES keeps the largest (as the
-    global ranking says, with scope 'global'); Breadcrumbs the not-smallest but the largest.
-    Each model is ranked in a thread of its own (numpy releases the GIL)."""
+    """Each model's cuts of the tensor, one per count of its declared cut (as the global
+    ranking says, with scope 'global'). Each model is ranked in a thread of its own (numpy
+    releases the GIL)."""
     if self.rankings is not None:
       return list(self.pool.map(
-          lambda i: (self.rankings[i].cut(name, self.magnitudes(name, i, 0, size)),),
+          lambda i: self.rankings[i].cuts(name, self.magnitudes(name, i, 0, size)),
           range(len(self.tuned))))
 
     def ranked(model: int) -> tuple[cuts.Cut, ...]:
-      if plan.method == 'ties':
-        counts = (ops.largest_count(plan.model_setting('density', model)),)
-      else:
-        counts = ops.band_counts(plan.settings['top'], plan.settings['bottom'])
-      kept = [count(size) for count in counts]
+      kept = [count(size) for count in cut_of(plan, model).counts]
       # A count that keeps none or all of the entries reads none of them.
       found = [cuts.fixed_cut(size, k) for k in kept]
       todo = [j for j, cut in enumerate(found) if cut is None]

@@ -1,6 +1,8 @@
 """How each tensor of a streamed merge is merged: through the same `merging` function the suite
-calls, a block at a time by one jitted program, or whole (the SVD merges; DARE before a TIES
-ranking)."""
+calls, a block at a time by one jitted program, or whole (a method that reads a tensor whole;
+one that ranks what its draws left), with what the method declares it keeps of each vector
+(`merging.sparsity`) found beforehand: the cuts of its ranked masks, its draws' keys and
+norms."""
 
 import concurrent.futures
 import functools
@@ -11,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import merging
 from editing import cuts
 from editing import sharding
 from editing import tree as tree_lib
@@ -27,11 +28,11 @@ from merging.checkpoints import ranking
 _LEAF = 'tensor'  # the name of the one leaf a block's jitted merge sees
 
 
-
 class TensorMerge:
   """How each tensor is merged: `prepare` checks a tensor's inputs and does what needs the
-  whole tensor (the cuts of its ranked masks; DARE's merge), and `block` merges a block of it
-  with one call of the jitted `_edit_block`; `pool` runs each model's ranking in a thread."""
+  whole tensor (the cuts of its ranked masks, its draws' norms, or the whole merge), and
+  `block` merges a block of it with one call of the jitted `_edit_block`; `pool` runs each
+  model's ranking in a thread."""
 
   def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
                paths: Sequence[str], plan: plan_lib.Plan, pool: concurrent.futures.Executor,
@@ -59,17 +60,19 @@ class TensorMerge:
       state['merged'] = self._merge_whole(name, shape, plan)
     elif plan.ranked:
       state['cuts'] = self.ranking.cuts(name, size, plan)
-    elif plan.method == 'dare':
+    elif plan.draws:
       state['draws'] = self._draws(name, size, dtype, plan)
     return state
 
   def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan) -> tuple:
-    """What a DARE merged in blocks draws from for the tensor `name`: each model's key of it
-    (`ops.vector_key`, `ops.leaf_key`, as `dare.drop` keys it) and, for an L1 rescale, each
-    model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor, summed by a pass over its blocks first."""
+    """What a merge in blocks draws from for the tensor `name`: each model's key of it
+    (`ops.vector_key`, `ops.leaf_key`, as `ops.drop_and_rescale` keys a vector's leaf) and,
+    where a draw's rescale reads norms, each model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor,
+    summed by a pass over its blocks first."""
     keys = jnp.stack([ops.leaf_key(ops.vector_key(self.key, (label,)), name)
                       for label in self.labels])
-    if plan.settings['rescale'] != 'l1_norm':
+    draws = [plan.sparsity(i).draw for i in range(len(self.tuned))]
+    if not any(draw is not None and draw.norms for draw in draws):
       return keys, None
     # Summed on the host in float64: the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
@@ -84,8 +87,8 @@ class TensorMerge:
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32))
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
-    """A tensor merged whole, op by op under its own name (an SVD merge; DARE before a TIES
-    ranking), flat, as written."""
+    """A tensor merged whole, op by op under its own name (an SVD merge; a ranking of what
+    draws left), flat, as written."""
     base = self.base.tensor(name)
     thetas = [c.tensor(name) for c in self.tuned]
     _check_finite(self.plan, name, self.paths,
@@ -101,7 +104,7 @@ class TensorMerge:
       keep = []
       for model_ranking, vector in zip(self.ranking.rankings, vectors):
         ranked = np.abs(model_ranking.ranked(name, vector.delta[name])).ravel()
-        keep.append({name: cuts.cut_mask(ranked, model_ranking.cut(name, ranked))
+        keep.append({name: ranking.kept_mask(ranked, model_ranking.cuts(name, ranked))
                      .reshape(shape)})
     edited = edit(plan, theta0, vectors, self.key, keep)[name]
     return self._checked(name, np.asarray(edited).astype(plan.output_dtype(base.dtype),
@@ -113,7 +116,8 @@ class TensorMerge:
       return self.base.read(name, start, stop)
     if 'merged' in state:
       return state['merged'][start:stop]
-    buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK, state['dtype'])
+    buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
+                                  state['dtype'])
     if not self.plan.allow_nonfinite:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     block_cuts = draws = None
@@ -146,7 +150,8 @@ class TensorMerge:
     return merged
 
 
-def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str], finite: Sequence[bool]) -> None:
+def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str],
+                  finite: Sequence[bool]) -> None:
   """An error naming the first input whose tensor `name` holds a NaN or an infinity, unless the
   plan allows them."""
   for path, ok in zip(paths, finite):
@@ -159,34 +164,35 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str], finite: 
 def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
                 block_cuts: list | None, draws: tuple | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
-  is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, the masks a method
-  ranks drawn from their cuts (relative to the block), DARE's τ̃ from the tensor's `draws`
-  (each model's key, its L1 factors or None, and the block's first entry)."""
+  is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, with the masks of
+  the method's cuts (each cut relative to the block) and its vectors after their draws from
+  the tensor's `draws` (each model's key, its L1 factors or None, and the block's first
+  entry)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
   if block_cuts is not None:
-    keep = []
-    for vector, model_cuts in zip(vectors, block_cuts):
-      masks = [cuts.cut_mask(jnp.abs(vector.delta[_LEAF]), c) for c in model_cuts]
-      keep.append({_LEAF: masks[0] if len(masks) == 1 else masks[0] & ~masks[1]})
+    keep = [{_LEAF: ranking.kept_mask(jnp.abs(vector.delta[_LEAF]), model_cuts)}
+            for vector, model_cuts in zip(vectors, block_cuts)]
   if draws is not None:
     keys, factors, start = draws
     dropped = []
     for i, vector in enumerate(vectors):
-      p, delta = plan.model_setting('p', i), vector.delta[_LEAF]
-      if p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
-        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - p, start, delta.size), p,
-                            plan.settings['rescale'], None if factors is None else factors[i])
+      draw, delta = plan.sparsity(i).draw, vector.delta[_LEAF]
+      if draw is not None and draw.p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
+        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - draw.p, start, delta.size),
+                            draw.p, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
   return edit(plan, {_LEAF: base}, vectors, None, keep, dropped)[_LEAF]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int) -> jax.Array:
-  """Each model's DARE keep mask of the `size` entries of a tensor from entry `start` on."""
-  return jnp.stack([ops.kept_entries(key, 1 - plan.model_setting('p', i), start, size)
-                    for i, key in enumerate(keys)])
+  """Each model's keep mask of its draw of the `size` entries of a tensor from entry `start`
+  on (all kept where it draws nothing)."""
+  ps = [draw.p if draw is not None else 0.0
+        for draw in (plan.sparsity(i).draw for i in range(len(keys)))]
+  return jnp.stack([ops.kept_entries(key, 1 - p, start, size) for key, p in zip(keys, ps)])
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
@@ -209,25 +215,23 @@ def task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> 
 
 def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None,
          dropped=None) -> dict:
-  """What `plan` makes of θ0 (floating tensors) and the task vectors over it: τ_1 (extract),
-  θ0 − λ·τ_1 (negation), or θ0 + λ·merge(τ_1..τ_N); `keep`, the masks ranked beforehand;
-  `dropped`, DARE's τ̃ drawn beforehand."""
-  if plan.method == 'extract':
-    return dict(vectors[0].delta)
-  if plan.method == 'negation':
-    merged, scale = vectors[0], -plan.scale
-  else:
-    method = merging.get(plan.method)
-    reads = {name: value for name, value in (('key', key), ('theta0', theta0))
-             if name in method.reads}
-    if plan.weights is not None:
-      reads['weights'] = list(plan.weights)
-    if plan.per_model:
-      reads['per_vector'] = {k: list(v) for k, v in plan.per_model}
-    if keep is not None:
-      reads['keep'] = keep
-    if dropped is not None:
-      reads['dropped'] = dropped
-    merged, scale = method.merge(vectors, **reads, **plan.settings), plan.scale
-  return merged.apply_to(theta0, scale)
+  """What `plan` makes of θ0 (floating tensors) and the task vectors over it:
+  θ0 + λ·merge(τ_1..τ_N), or merge(τ_1..τ_N) itself where the method writes its vector
+  (`merging.Method.writes`); `keep`, the masks of the method's cuts ranked beforehand;
+  `dropped`, the vectors after its draws (`merging.sparsity`)."""
+  method = plan.entry
+  reads = {name: value for name, value in (('key', key), ('theta0', theta0))
+           if name in method.reads}
+  if plan.weights is not None:
+    reads['weights'] = list(plan.weights)
+  if plan.per_model:
+    reads['per_vector'] = {k: list(v) for k, v in plan.per_model}
+  if keep is not None:
+    reads['keep'] = keep
+  if dropped is not None:
+    reads['dropped'] = dropped
+  merged = method.merge(vectors, **reads, **plan.settings)
+  if method.writes == 'delta':
+    return dict(merged.delta)
+  return merged.apply_to(theta0, plan.scale)
 
