@@ -17,6 +17,9 @@ from typing import Any
 
 from editing import distributed
 
+# The name of every temporary file or directory made here starts so, hidden beside its target.
+TEMP_PREFIX = '.tmp-'
+
 
 @contextlib.contextmanager
 def file(path: str):
@@ -33,7 +36,8 @@ def file(path: str):
     return
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix=os.path.basename(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX,
+                              suffix=os.path.basename(path))
   try:
     with os.fdopen(fd, 'wb') as f:
       yield f
@@ -67,7 +71,7 @@ def directory(target: str):
   its place (`replace_directory`); on an error it is removed and `target` is untouched."""
   parent = os.path.dirname(os.path.abspath(target))
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix='.tmp-' + os.path.basename(target))
+  tmp = tempfile.mkdtemp(dir=parent, prefix=TEMP_PREFIX + os.path.basename(target))
   try:
     yield tmp
     # mkdtemp makes the directory private (0700); give it the permissions makedirs would have.

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import strategies as st
 
 from editing.errors import UserError
-from editing.jobs import lock
+from editing import lock
 from merging import checkpoints
 from merging.checkpoints import tensors
-from merging.jobs import mergekit
+from merging.mergekit import reader as mergekit_reader
 from tests import checkpoint_reference as reference
 from tests.conftest import REPO
 from tests.test_checkpoint_merging import fixture, output_bytes
@@ -243,14 +243,13 @@ def test_a_yaml_naming_a_missing_model_names_its_entry(tmp_path, models):
   recipe = tmp_path / 'merge.yaml'
   recipe.write_text(f'models:\n  - model: {tuned[0]}\n  - model: {tmp_path}/nosuch\n'
                     f'merge_method: ties\nbase_model: {base}\n')
-  from configs import merge_checkpoints as config_lib  # pylint: disable=g-import-not-at-top
   with pytest.raises(UserError, match=rf'{recipe}: models\[1\].model = {tmp_path}/nosuch: no '
                                       'such directory or file'):
-    mergekit.apply(config_lib.get_config(), str(recipe))
+    mergekit_reader.read(str(recipe))
   recipe.write_text(f'models:\n  - model: {tuned[0]}\nmerge_method: ties\n'
                     f'base_model: {tmp_path}/nobase\n')
   with pytest.raises(UserError, match=r'base_model = .*/nobase: no such directory'):
-    mergekit.apply(config_lib.get_config(), str(recipe))
+    mergekit_reader.read(str(recipe))
 
 
 FAILING_JOB = r'''

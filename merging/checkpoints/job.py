@@ -1,13 +1,11 @@
-"""The checkpoint merge job: every check first, then the shards built in `<output>.partial/`
-under a record of their plan, then the finished directory put in place.
+"""The checkpoint merge job: every check first, then the output written through the lifecycle
+every checkpoint writer shares (`output`: overlap check, lock, `<output>.partial/` under its
+record, resume, copied files, card, atomic replace).
 
 Nothing is written before the plan, the inputs' names, shapes and dtypes and the output path
-are checked. The output path is locked while the job writes it (`.<output>.lock` beside it,
-which stays for the next job to lock). An existing
-output is refused unless it is this job's own earlier output of the same plan and inputs (then
-it is kept as it is) or `overwrite` is set. The partial directory records the plan, each
-input's fingerprint (`editing.safetensors_io.fingerprint`) and the shard plan in
-`merge_plan.json`; a rerun resumes its finished shards only when all of them match, and
+are checked. The record, `merge_plan.json`, holds the plan, each input's fingerprint
+(`editing.safetensors_io.fingerprint`) and the shard plan; a rerun resumes the finished shards
+only when all of them match and the data those shards were made from is unchanged, and
 otherwise refuses, naming the difference. The finished output keeps that record, so a rerun of
 the same merge finds it done.
 
@@ -18,7 +16,6 @@ factors into an adapter instead (`adapters`).
 
 import json
 import os
-import shutil
 import time
 from typing import Sequence
 
@@ -27,25 +24,21 @@ import jax.numpy as jnp
 from absl import logging
 
 import merging
-from editing import atomic
 from editing import safetensors_io
 from editing.errors import UserError
-from editing.jobs import lock
 from editing.models import hf
 from editing.models import peft_adapter
+from merging import recipe as recipe_lib
 from merging.checkpoints import adapters
 from merging.checkpoints import extraction
+from merging.checkpoints import output as output_lib
 from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import sliced
 from merging.checkpoints import tensors as tensors_lib
-from merging.jobs import mergekit
 
-RECORD = 'merge_plan.json'
-CARD = 'README.md'  # the model card
-_COPIED = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
-           'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
+RECORD = output_lib.RECORD
 
 
 def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
@@ -64,7 +57,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     raise UserError(f'config.weights: {len(plan.weights)} weights for {len(models)} fine-tuned '
                     'models; give one per model, in order')
   output = os.path.abspath(output)
-  _check_output_path(output, [base, *models])
+  output_lib.checked_path(output, [base, *models])
   low_rank = plan.method not in plan_lib.SINGLE_MODEL and merging.get(plan.method).low_rank
   dense = [m for m in models if not peft_adapter.is_adapter(m)]
   if low_rank and dense:
@@ -85,53 +78,32 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
   shards = _shards(base_ckpt, names, plan)
-  record = {'plan': plan.record(), 'inputs': [_fingerprint(c) for c in [base_ckpt, *ckpts]],
+  record = {'plan': plan.record(),
+            'inputs': [output_lib.fingerprint(c) for c in [base_ckpt, *ckpts]],
             'shards': [{'file': s.file, 'names': s.names} for s in shards]}
   if slices is not None:
     record['slices'] = [dict(piece) for piece in slices]
-  partial = output + '.partial'
   summary = {'output': output, 'tensors': len(names), 'shards': len(shards),
              'bytes': sum(s.bytes for s in shards)}
-  lock_file = os.path.join(os.path.dirname(output), f'.{os.path.basename(output)}.lock')
-  with lock.held(lock_file, f'the merge output {output}'):
-    if os.path.exists(output) and not overwrite:
-      if _recorded(output) != record:
-        raise UserError(f'config.output = {output} exists and is not this merge\'s output; '
-                        'choose another path, or set config.overwrite=True to replace it')
-      logging.info('%s already holds this merge', output)
-      return {**summary, 'seconds': 0.0}
-    _start_or_resume(partial, record)
-    start = time.time()
-    try:
-      if plan.method == 'extract_lora':
-        summary['extraction'] = extraction.write(base_ckpt, ckpts[0], partial, plan.settings,
-                                                 base)
-      elif low_rank:
-        summary['adapter'] = adapters.write(base_ckpt, models, partial, plan, base)
-      else:
-        _write_shards(base_ckpt, ckpts, models, plan, partial, shards, len(names), positions)
-    except UserError:
-      # Bad input: no rerun under this plan and these inputs could finish the shards.
-      shutil.rmtree(partial, ignore_errors=True)
-      raise
-    atomic.write_bytes(os.path.join(partial, CARD), _card(base, models, plan, recipe).encode())
-    if plan.method == 'extract_lora' or low_rank:
-      atomic.replace_directory(partial, output)  # an adapter: no index, no model config
+  adapter = plan.method == 'extract_lora' or low_rank  # an adapter: no index, no model config
+
+  def fill(partial: output_lib.Partial) -> None:
+    if plan.method == 'extract_lora':
+      summary['extraction'] = extraction.write(base_ckpt, ckpts[0], partial.path,
+                                               plan.settings, base)
+    elif low_rank:
+      summary['adapter'] = adapters.write(base_ckpt, models, partial.path, plan, base)
     else:
-      _finish(base, partial, output, shards, base_ckpt.config if slices else None)
+      _write_shards(partial, models, plan, shards, len(names), positions)
+
+  target = output_lib.Target(
+      output, [base, *models], record, readers=() if adapter else [base_ckpt, *ckpts],
+      card=_card(base, models, plan, recipe), copied_from=None if adapter else base,
+      config=base_ckpt.config if slices else None)
+  start = time.time()
+  if not output_lib.write(target, fill, overwrite=overwrite):
+    return {**summary, 'seconds': 0.0}
   return {**summary, 'seconds': time.time() - start}
-
-
-def _check_output_path(output: str, inputs: Sequence[str]) -> None:
-  """Refuses an output that is a file, that is or lies inside an input, or that holds one."""
-  if os.path.isfile(output):
-    raise UserError(f'config.output = {output} is a file; give a directory path')
-  for given in inputs:
-    path = os.path.abspath(given)
-    inside = os.path.commonpath([output, path])
-    if inside in (output, path):
-      raise UserError(f'config.output = {output} overlaps the input {given}; the output must '
-                      'be a path of its own, outside every input')
 
 
 def _check_same_tensors(base: str, base_ckpt: hf.Checkpoint, models: Sequence[str],
@@ -151,70 +123,25 @@ def _check_same_tensors(base: str, base_ckpt: hf.Checkpoint, models: Sequence[st
                         f'{ours[1]}{list(ours[0])}')
 
 
-def _fingerprint(ckpt: hf.Checkpoint) -> dict:
-  files = sorted(set(ckpt.files.values()))
-  return {'path': os.path.abspath(ckpt.path),
-          'files': {os.path.abspath(f): safetensors_io.fingerprint(f) for f in files}}
-
-
-def _recorded(directory: str) -> dict | None:
-  path = os.path.join(directory, RECORD)
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError:
-      return None
-
-
-def _start_or_resume(partial: str, record: dict) -> None:
-  """Makes `partial` with its record, or checks that the one there was made for `record`."""
-  if not os.path.exists(partial):
-    os.makedirs(partial)
-    atomic.write_json(os.path.join(partial, RECORD), record)
-    return
-  recorded = _recorded(partial)
-  if recorded != record:
-    raise UserError(f'{partial} holds part of another merge ({_difference(recorded, record)}); '
-                    f'remove it to start over')
-  logging.info('resuming the merge in %s', partial)
-
-
-def _difference(recorded: dict | None, record: dict) -> str:
-  """The first thing that differs between a recorded merge and this one, in words."""
-  if recorded is None:
-    return f'it has no readable {RECORD}'
-  for key in sorted(set(recorded['plan']) | set(record['plan'])):
-    if recorded['plan'].get(key) != record['plan'].get(key):
-      return f'{key}: {recorded["plan"].get(key)!r} then, {record["plan"].get(key)!r} now'
-  then = [i['path'] for i in recorded['inputs']]
-  now = [i['path'] for i in record['inputs']]
-  if then != now:
-    return f'inputs: {then} then, {now} now'
-  for old, new in zip(recorded['inputs'], record['inputs']):
-    if old != new:
-      return f'{new["path"]} has changed since'
-  return 'its shard plan differs'
-
-
-def _write_shards(base_ckpt, ckpts, models, plan, partial, shards, count, positions) -> None:
-  """Each shard not yet in `partial`, a tensor at a time, with progress."""
+def _write_shards(partial: output_lib.Partial, models, plan, shards, count, positions) -> None:
+  """Each shard not yet in `partial`, a tensor at a time, with progress; then the index."""
   start, done_bytes, done_tensors = time.time(), 0, 0
   total_bytes = sum(s.bytes for s in shards)
+  base_ckpt, *ckpts = partial.readers
   with pipeline.pool(len(ckpts)) as threads:
     tensors = tensors_lib.TensorMerge(base_ckpt, ckpts, models, plan, threads, positions)
     for shard in shards:
-      path = os.path.join(partial, shard.file)
-      if not os.path.exists(path):
-        pipeline.write_streamed(path, shard.entries, tensors.prepare, tensors.block,
-                                plan.prefetch)
+      if not partial.has(shard.file):
+        pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries,
+                                tensors.prepare, tensors.block, plan.prefetch)
+        partial.shard_done()
       done_bytes += shard.bytes
       done_tensors += len(shard.entries)
       rate = done_bytes / max(time.time() - start, 1e-9)
       logging.info('%s: %d/%d tensors, %.0f tensors/s, %.1f MB/s, eta %.0f s', shard.file,
                    done_tensors, count, done_tensors / max(time.time() - start, 1e-9),
                    rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
+  safetensors_io.write_index(partial.path, shards)
 
 
 def _card(base: str, models: Sequence[str], plan: plan_lib.Plan, recipe: str | None) -> str:
@@ -242,100 +169,36 @@ def _shards(base: hf.Checkpoint, names: list[str],
   return safetensors_io.plan_shards(entries, plan.shard_bytes)
 
 
-def _finish(base: str, partial: str, output: str, shards: list[safetensors_io.Shard],
-            config: dict | None = None) -> None:
-  """The index, the base's model config (or `config`, a sliced merge's) and tokenizer files,
-  then `partial` put in place as `output`."""
-  safetensors_io.write_index(partial, shards)
-  if os.path.isdir(base):
-    for name in _COPIED:
-      if os.path.exists(os.path.join(base, name)):
-        shutil.copy(os.path.join(base, name), os.path.join(partial, name))
-  if config:
-    atomic.write_json(os.path.join(partial, 'config.json'), config)
-  atomic.replace_directory(partial, output)
-  logging.info('merged checkpoint in %s', output)
-
-
 def plan_of(config) -> plan_lib.Plan:
-  """The plan configs/merge_checkpoints.py describes, every value checked."""
-  section = config.get(config.method)
-  try:
-    weights = (tuple(float(w) for w in config.weights.split(',')) if config.weights.strip()
-               else None)
-  except ValueError:
-    raise UserError(f'config.weights = {config.weights!r}: comma-separated numbers, one per '
-                    'model') from None
-  varying, per_model = (_json_object(config, key) for key in ('layered', 'per_model'))
-  if not all(isinstance(v, list) for v in per_model.values()):
-    raise UserError(f'config.per_model = {config.per_model!r}: a JSON object {{setting: '
-                    '[one value per model]}')
-  return plan_lib.Plan(config.method, section.to_dict() if section is not None else {},
-                       scale=config.scale, seed=config.seed, shard_bytes=config.shard_bytes,
-                       allow_nonfinite=config.allow_nonfinite, weights=weights,
-                       dtype=config.dtype or None, prefetch=config.prefetch,
-                       layered=tuple(sorted(varying.items())),
-                       per_model=tuple((k, tuple(v)) for k, v in sorted(per_model.items())))
-
-
-def _json_object(config, key: str) -> dict:
-  text = config[key]
-  try:
-    value = json.loads(text) if text.strip() else {}
-  except json.JSONDecodeError as e:
-    raise UserError(f'config.{key} = {text!r} is not JSON ({e})') from None
-  if not isinstance(value, dict):
-    raise UserError(f'config.{key} = {text!r}: a JSON object {{field: value}}')
-  return value
+  """The plan configs/merge_checkpoints.py's flags describe, every value checked."""
+  return recipe_lib.Recipe.from_flags(config).plan()
 
 
 def run(config, workdir: str) -> dict:
-  """The launch job: `config` as configs/merge_checkpoints.py describes it (or the mergekit
-  YAML `config.mergekit` names); the output defaults to <workdir>/merged."""
-  recipe = None
+  """The launch job: the merge `config`'s flags describe (or the mergekit YAML
+  `config.mergekit` names), as a `merging.recipe.Recipe`; the output defaults to
+  <workdir>/merged."""
   if config.mergekit:
-    config = mergekit.apply(config, config.mergekit)
-    with open(config.mergekit) as f:
-      recipe = f.read()
-  output = config.output or os.path.join(workdir, 'merged')
-  if config.method == 'passthrough':
-    return _passthrough(config, output, recipe)
-  plan = plan_of(config)
-  if not config.base:
-    raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
-                    '.safetensors file)')
-  models = [m.strip() for m in config.models.split(',') if m.strip()]
-  return merge(config.base, models, output, plan, overwrite=config.overwrite, recipe=recipe,
-               slices=_slices(config))
+    recipe = recipe_lib.Recipe.from_mergekit(config.mergekit, config)
+  else:
+    recipe = recipe_lib.Recipe.from_flags(config)
+  output = recipe.output or os.path.join(workdir, 'merged')
+  if recipe.method == recipe_lib.PASSTHROUGH:
+    return _passthrough(recipe, output)
+  return merge(recipe.base, list(recipe.models), output, recipe.plan(),
+               overwrite=recipe.overwrite, recipe=recipe.mergekit_yaml, slices=recipe.slices)
 
 
-def _slices(config) -> list | None:
-  """config.slices: a JSON list of {model: [first layer, end layer]}, or None."""
-  if not config.slices.strip():
-    return None
-  try:
-    slices = json.loads(config.slices)
-  except json.JSONDecodeError as e:
-    raise UserError(f'config.slices = {config.slices!r} is not JSON ({e})') from None
-  if not isinstance(slices, list) or not all(isinstance(s, dict) for s in slices):
-    raise UserError(f'config.slices = {config.slices!r}: a JSON list of {{model: [first layer, '
-                    'end layer]}, one object per slice')
-  return slices
-
-
-def _passthrough(config, output: str, recipe: str | None) -> dict:
-  """config.passthrough's slices stacked into `output` (`passthrough.run`)."""
-  section = config.passthrough
-  try:
-    slices = json.loads(section.slices or '[]')
-    scale = json.loads(section.scale)
-  except json.JSONDecodeError as e:
-    raise UserError(f'config.passthrough: slices and scale are JSON ({e})') from None
-  if not isinstance(slices, list) or not all(
-      isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) for s in slices):
-    raise UserError(f'config.passthrough.slices = {section.slices!r}: a JSON list of '
-                    '[model, first layer, end layer]')
-  return passthrough.run([passthrough.Slice(*s) for s in slices], output, scale=scale,
-                         dtype=config.dtype or None, tokenizer=section.tokenizer or None,
-                         shard_bytes=config.shard_bytes, overwrite=config.overwrite,
-                         recipe=recipe)
+def _passthrough(recipe: 'recipe_lib.Recipe', output: str) -> dict:
+  """The recipe's slices, one model each, stacked into `output` (`passthrough.run`)."""
+  slices = []
+  for k, piece in enumerate(recipe.slices):
+    if len(piece) != 1 or not sliced.is_layer_range(next(iter(piece.values()))):
+      raise UserError(f'config.slices[{k}] = {piece!r}: passthrough takes one model a slice, '
+                      '{model: [first layer, end layer]}')
+    (model, (first, end)), = piece.items()
+    slices.append(passthrough.Slice(model, first, end))
+  return passthrough.run(slices, output, scale=recipe.layered.get('scale', recipe.scale),
+                         dtype=recipe.dtype, tokenizer=recipe.tokenizer,
+                         shard_bytes=recipe.shard_bytes, overwrite=recipe.overwrite,
+                         recipe=recipe.mergekit_yaml)

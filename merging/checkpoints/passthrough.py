@@ -8,8 +8,10 @@ layers renumbered 0 … L − 1. A tensor's layer is the first `.<number>.` of i
 from the last's, as mergekit plans them. `scale`, a value per tensor (`layered`: a gradient
 over the output's layers, or per module), multiplies each tensor (mergekit's passthrough
 parameter), so that `scale: [{filter: o_proj, value: 0}, {value: 1}]` zeroes the attention
-outputs of duplicated layers. The output's config.json is the first model's with its layer
-count set to L; its tokenizer files are the first model's, or `tokenizer` names another.
+outputs of duplicated layers; a filter matches the input tensor's name, before its layer is
+renumbered, as mergekit matches it. The output's config.json is the first model's with its
+layer count set to L; its tokenizer files are the first model's, or `tokenizer` names another.
+The output is written as every checkpoint is (`output`): a killed passthrough resumes.
 """
 
 import dataclasses
@@ -17,25 +19,24 @@ import json
 import math
 import os
 import re
-import shutil
 from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from editing import atomic
 from editing import safetensors_io
 from editing.errors import UserError
-from editing.jobs import lock
 from editing.models import hf
 from merging.checkpoints import layered
+from merging.checkpoints import output as output_lib
 from merging.checkpoints import pipeline
+from merging.checkpoints import plan as plan_lib
 
 _TABLES = ('embed', 'wte', 'wpe')
 _LAYER_COUNTS = ('num_hidden_layers', 'n_layer', 'num_layers')
-_COPIED = ('generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
-           'special_tokens_map.json', 'tokenizer.model', 'vocab.txt', 'vocab.json', 'merges.txt')
+# The output's config.json is the first model's, its layer count changed; the rest is copied.
+_COPIED = tuple(name for name in output_lib.COPIED if name != 'config.json')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,76 +91,82 @@ def run(slices: Sequence[Slice], output: str, *, scale: Any = 1.0, dtype: str | 
     raise UserError(f'config.passthrough.scale = {scale!r}: finite numbers')
   if not slices:
     raise UserError('config.passthrough.slices: no slice to stack')
-  ckpts = [hf.Checkpoint(s.model) for s in slices]
-  names = sources(slices, ckpts)
-  positions = layered.positions(list(names))
-  out_dtype = {'float32': np.float32, 'bfloat16': jnp.bfloat16, 'float16': np.float16}.get(dtype)
-  if dtype and out_dtype is None:
-    raise UserError(f'config.dtype = {dtype!r}: float32, bfloat16 or float16')
+  if dtype and dtype not in plan_lib.OUTPUT_DTYPES:
+    raise UserError(f'config.dtype = {dtype!r}: the output can be written in one of '
+                    f'{sorted(plan_lib.OUTPUT_DTYPES)}')
+  tokenizer_source = tokenizer or slices[0].model
+  inputs = [s.model for s in slices] + [tokenizer_source]
+  output_lib.checked_path(output, inputs)
+  models = list(dict.fromkeys(s.model for s in slices))
+  ckpts = {model: hf.Checkpoint(model) for model in models}
+  names = sources(slices, [ckpts[s.model] for s in slices])
   entries = []
   for name, (ckpt, source) in names.items():
     shape, stored = ckpt.header(source)
     floating = jnp.issubdtype(stored, jnp.floating)
-    entries.append((name, shape, np.dtype(out_dtype) if out_dtype and floating else stored))
+    entries.append((name, shape, plan_lib.OUTPUT_DTYPES[dtype] if dtype and floating else stored))
   shards = safetensors_io.plan_shards(entries, shard_bytes)
-  output = os.path.abspath(output)
-  if os.path.exists(output) and not overwrite:
-    raise UserError(f'config.output = {output} exists; choose another path, or set '
-                    'config.overwrite=True to replace it')
-  for piece in slices:
-    if os.path.abspath(piece.model) in (output, os.path.dirname(output)):
-      raise UserError(f'config.output = {output} overlaps the input {piece.model}')
-  partial = output + '.partial'
-  lock_file = os.path.join(os.path.dirname(output), f'.{os.path.basename(output)}.lock')
-  with lock.held(lock_file, f'the merge output {output}'):
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+  layers = sum(s.stop - s.start for s in slices)
+  record = {'plan': {'method': 'passthrough', 'slices': [[s.model, s.start, s.stop]
+                                                         for s in slices],
+                     'scale': scale, 'dtype': dtype, 'tokenizer': tokenizer},
+            'inputs': [output_lib.fingerprint(ckpts[m]) for m in models],
+            'shards': [{'file': s.file, 'names': s.names} for s in shards]}
+  target = output_lib.Target(output, inputs, record, readers=[ckpts[m] for m in models],
+                             card=_card(recipe), copied_from=tokenizer_source, copied=_COPIED,
+                             config=_config(slices[0].model, layers))
 
-    written = {name: dtype for name, _, dtype in entries}
+  def fill(partial: output_lib.Partial) -> None:
+    readers = dict(zip(models, partial.readers))
+    stacked = {name: (readers[ckpt.path], source) for name, (ckpt, source) in names.items()}
+    _write_shards(partial, stacked, shards, scale)
 
-    def prepare(name):
-      ckpt, source = names[name]
-      return ckpt, source, layered.resolve(scale, name, positions[name]), written[name]
-
-    def block(state, start, stop):
-      ckpt, source, factor, dtype = state
-      x = ckpt.read(source, start, stop)
-      if factor not in (None, 1) and jnp.issubdtype(x.dtype, jnp.floating):
-        x = x.astype(np.float32) * np.float32(factor)
-      return x.astype(dtype, copy=False)
-
-    try:
-      for shard in shards:
-        pipeline.write_streamed(os.path.join(partial, shard.file), shard.entries, prepare,
-                                block, 2)
-    except UserError:
-      shutil.rmtree(partial, ignore_errors=True)
-      raise
-    safetensors_io.write_index(partial, shards)
-    _write_config(slices, partial, offset_total=sum(s.stop - s.start for s in slices))
-    first = tokenizer or slices[0].model
-    for name in _COPIED:
-      if os.path.isdir(first) and os.path.exists(os.path.join(first, name)):
-        shutil.copy(os.path.join(first, name), os.path.join(partial, name))
-    if recipe is not None:
-      atomic.write_bytes(os.path.join(partial, 'README.md'),
-                         f'# Merged model\n\nmergekit passthrough of slices.\n\n```yaml\n'
-                         f'{recipe.rstrip()}\n```\n'.encode())
-    atomic.replace_directory(partial, output)
-  logging.info('passthrough of %d slices, %d layers, in %s', len(slices),
-               sum(s.stop - s.start for s in slices), output)
-  return {'output': output, 'tensors': len(names), 'shards': len(shards),
-          'layers': sum(s.stop - s.start for s in slices)}
+  output_lib.write(target, fill, overwrite=overwrite)
+  logging.info('passthrough of %d slices, %d layers, in %s', len(slices), layers, output)
+  return {'output': os.path.abspath(output), 'tensors': len(names), 'shards': len(shards),
+          'layers': layers}
 
 
-def _write_config(slices: Sequence[Slice], directory: str, offset_total: int) -> None:
-  """The first model's config.json with the output's layer count."""
-  path = os.path.join(slices[0].model, 'config.json')
-  if not os.path.isdir(slices[0].model) or not os.path.exists(path):
-    return
+def _write_shards(partial: output_lib.Partial, names: dict, shards, scale: Any) -> None:
+  """Each shard not yet in `partial`, its tensors copied a block at a time, each scaled by its
+  value of `scale` (resolved on the input tensor's name and the output layer's position);
+  then the index."""
+  positions = layered.positions(list(names))
+  written = {name: dtype for shard in shards for name, _, dtype in shard.entries}
+
+  def prepare(name):
+    ckpt, source = names[name]
+    return ckpt, source, layered.resolve(scale, source, positions[name]), written[name]
+
+  def block(state, start, stop):
+    ckpt, source, factor, dtype = state
+    x = ckpt.read(source, start, stop)
+    if factor not in (None, 1) and jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(np.float32) * np.float32(factor)
+    return x.astype(dtype, copy=False)
+
+  for shard in shards:
+    if not partial.has(shard.file):
+      pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries, prepare,
+                              block, 2)
+      partial.shard_done()
+  safetensors_io.write_index(partial.path, shards)
+
+
+def _card(recipe: str | None) -> str | None:
+  """The model card of a passthrough a mergekit `recipe` (its YAML text) described."""
+  if recipe is None:
+    return None
+  return f'# Merged model\n\nmergekit passthrough of slices.\n\n```yaml\n{recipe.rstrip()}\n```\n'
+
+
+def _config(model: str, layers: int) -> dict | None:
+  """The config.json of `model` with the output's layer count; None if it has none."""
+  path = os.path.join(model, 'config.json')
+  if not os.path.isdir(model) or not os.path.exists(path):
+    return None
   with open(path) as f:
-    config = json.load(f)
-  atomic.write_json(os.path.join(directory, 'config.json'), with_layers(config, offset_total))
+    return with_layers(json.load(f), layers)
 
 
 def with_layers(config: dict, layers: int) -> dict:
