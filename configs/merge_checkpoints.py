@@ -19,8 +19,9 @@ base with it merged in); the LoRA-space methods (knots_ties, knots_dare, peft_ca
   python -m launch.merge_checkpoints --config.base=/models/base \
       --config.models=/adapters/a,/adapters/b --config.method=knots_ties --config.output=/a/m
 
-`mergekit` reads a mergekit YAML config (merging/jobs/mergekit.py) in place of the flags it
-sets. The output's README.md records the merge (and the recipe).
+`mergekit` reads a mergekit YAML config (merging/mergekit/reader.py) in place of the flags it
+sets; both become one `merging.recipe.Recipe`. The output's README.md records the merge (and
+the recipe).
 """
 
 import ml_collections
@@ -46,28 +47,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
-  # Values that vary by tensor, as JSON {field: value}: a field is a setting of the method,
-  # 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value} entries
-  # (merging/checkpoints/layered.py), e.g. '{"t": [0, 0.5, 1]}'; LiNeS with α, β over any
-  # method is '{"scale": [α, α + β]}'.
+  # Structured values are written in mergekit's notation, YAML's flow style
+  # (merging/recipe.py). Values that vary by tensor, {field: value}: a field is a setting of
+  # the method, 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value}
+  # entries (merging/checkpoints/layered.py), e.g. '{t: [0, 0.5, 1]}'; LiNeS with α, β over
+  # any method is '{scale: [α, α + β]}'.
   config.layered = ''
   # The output's layers merged from layer ranges of the base and each model (mergekit's slices
-  # with a merging method), as JSON [{model: [first layer, end layer], ...}, ...], every model
-  # and the base in each slice: '[{"/m/base": [0, 16], "/m/a": [0, 16]}]'.
+  # with a merging method), [{model: [first layer, end layer], ...}, ...], every model and the
+  # base in each slice: '[{/m/base: [0, 16], /m/a: [0, 16]}]'. For method 'passthrough', one
+  # model a slice, stacked: '[{/m/a: [0, 12]}, {/m/b: [4, 16]}]', each tensor times `scale`
+  # (or config.layered's scale).
   config.slices = ''
-  # Settings given one value per model, as JSON {setting: [values]} in the order of
-  # config.models (mergekit's per-model density), for the methods that take them.
+  # Settings given one value per model, {setting: [values]} in the order of config.models
+  # (mergekit's per-model density), for the methods that take them: '{density: [0.2, 0.4]}'.
   config.per_model = ''
+  # The checkpoint whose tokenizer files the output takes; '': the base's (passthrough: the
+  # first slice's model's).
+  config.tokenizer = ''
   # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
   # each tensor on its own here, as mergekit does.
   for method, entry in merging.REGISTRY.items():
     if entry.data_free:
       config[method] = merging.defaults(method)
   config.extract_lora = settings.defaults(extraction.options)
-  # method 'passthrough': a model stacked from layer ranges of others (mergekit's slices),
-  # slices as JSON [[model, first layer, end layer], ...], each tensor times `scale` (JSON:
-  # a number, or per layer and module), the tokenizer's files from `tokenizer` (default: the
-  # first slice's model).
-  config.passthrough = ml_collections.ConfigDict(dict(slices='', scale='1.0', tokenizer=''))
   config.ties.scope = config.dare.scope = 'tensor'
   return config

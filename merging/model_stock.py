@@ -10,6 +10,11 @@ applied at λ = 1. mergekit averages the pairwise cosines (followed here); Fusio
 the pairwise angles in degrees. Neither guards c ≤ 0, where t turns negative and blows up at
 c = −1/(N − 1); here c is clipped to [0, 1] (`clip`), so that deltas at right or wider
 angles give θ0. mergekit's recipes run without the clip, as mergekit does.
+
+`filter_wise` (mergekit's option) takes one t per filter instead of per leaf: each row of a
+leaf along its last axis (a PyTorch-shaped weight's output unit, its inputs along the row)
+has its own cosines, c_r = mean over pairs of cos(τ_i[r], τ_j[r]), and its own t_r; a vector
+leaf is one row.
 """
 
 from typing import Sequence
@@ -23,26 +28,42 @@ from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
 
-def ratio(deltas: Sequence[jax.Array], clip: bool = True) -> jax.Array:
-  """t of one leaf's N deltas."""
+def _rows(delta: jax.Array, filter_wise: bool) -> jax.Array:
+  """The vectors whose angles set t, as the rows of a matrix: the whole leaf as one row, or
+  each row along its last axis."""
+  width = delta.shape[-1] if filter_wise and delta.ndim else delta.size
+  return jnp.reshape(delta, (-1, width)).astype(jnp.float32)
+
+
+def ratio(deltas: Sequence[jax.Array], clip: bool = True,
+          filter_wise: bool = False) -> jax.Array:
+  """t of one leaf's N deltas: a scalar, or with `filter_wise` one per row, shaped to
+  broadcast against the leaf."""
   n = len(deltas)
-  flat = [jnp.ravel(d).astype(jnp.float32) for d in deltas]
-  norms = [jnp.linalg.norm(f) for f in flat]
-  cosines = [jnp.clip(jnp.dot(flat[i], flat[j]) / jnp.maximum(norms[i] * norms[j], 1e-6), -1, 1)
+  rows = [_rows(d, filter_wise) for d in deltas]
+  norms = [jnp.linalg.norm(r, axis=-1) for r in rows]
+  cosines = [jnp.clip(jnp.sum(rows[i] * rows[j], axis=-1) /
+                      jnp.maximum(norms[i] * norms[j], 1e-6), -1, 1)
              for i in range(n) for j in range(i + 1, n)]
   c = sum(cosines) / len(cosines)
   if clip:
     c = jnp.clip(c, 0.0, 1.0)
-  return n * c / ((n - 1) * c + 1)
+  t = n * c / ((n - 1) * c + 1)
+  if filter_wise and deltas[0].ndim > 1:
+    return jnp.reshape(t, deltas[0].shape[:-1] + (1,))
+  return t[0]  # one row: the leaf's
 
 
 @settings.declare(clip=settings.flag(True, 'clip the mean cosine to [0, 1] (right or wider '
-                                     'angles give θ0); mergekit does not'))
-def merge(task_vectors: Sequence[TaskVector], *, clip: bool) -> TaskVector:
-  """τ_m = t · mean τ_t per leaf."""
+                                     'angles give θ0); mergekit does not'),
+                  filter_wise=settings.flag(False, 'one t per row of a leaf (its last axis), '
+                                            'as mergekit\'s filter_wise'))
+def merge(task_vectors: Sequence[TaskVector], *, clip: bool, filter_wise: bool) -> TaskVector:
+  """τ_m = t · mean τ_t per leaf (per row with `filter_wise`)."""
   check_compatible(task_vectors, 'model_stock')
   if len(task_vectors) < 2:
     raise UserError(f'model_stock needs at least 2 task vectors (their angle sets the ratio), '
                     f'got {len(task_vectors)}')
   return common.merged(task_vectors, jax.tree.map(
-      lambda *ds: ratio(ds, clip) * sum(ds) / len(ds), *[v.delta for v in task_vectors]))
+      lambda *ds: ratio(ds, clip, filter_wise) * sum(ds) / len(ds),
+      *[v.delta for v in task_vectors]))

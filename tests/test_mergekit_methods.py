@@ -378,6 +378,36 @@ def test_breadcrumbs_ties_weights_and_elects_signs_as_mergekit():
                                err_msg=p)
 
 
+def mergekit_outliers(x: np.ndarray, density: float, gamma: float) -> np.ndarray:
+  """A numpy port of mergekit's magnitude_outliers mask: sorted ascending by |x|, the
+  ⌊d·n⌋ entries above the n − ⌊d·n⌋ − ⌊γ·n⌋ smallest (none dropped below 0)."""
+  n = x.size
+  if density >= 1:
+    return np.ones(x.shape, bool)
+  target, top = int(density * n), int(gamma * n)
+  bottom = max(0, n - target - top)
+  mask = np.zeros(n, bool)
+  mask[np.argsort(np.abs(x).ravel(), kind='stable')[bottom:bottom + target]] = True
+  return mask.reshape(x.shape)
+
+
+@pytest.mark.parametrize('n, density, gamma', [(37, 0.3, 0.05), (100, 0.1, 0.01),
+                                               (19, 0.9, 0.2), (7, 0.5, 0.0), (50, 1.0, 0.1)])
+def test_breadcrumbs_with_density_keeps_mergekits_outliers_band(n, density, gamma):
+  """mergekit's (density, gamma) counted as mergekit counts them, also where d + γ > 1 (fewer of
+  the largest dropped) and where ⌊γ·n⌋ = 0."""
+  x = np.random.default_rng(n).normal(size=(n,)).astype(np.float32)
+  v = TaskVector({'v': x}, ('t',), 'full', 'b')
+  out = merged('breadcrumbs', [v], top=gamma, bottom=0.0, density=density, elect_sign=False,
+               normalize=False)['v']
+  np.testing.assert_array_equal(out != 0, mergekit_outliers(x, density, gamma))
+
+
+def test_breadcrumbs_refuses_density_with_a_lower_edge_of_its_own():
+  with pytest.raises(UserError, match='bottom 0 where density is given'):
+    merging.check_settings('breadcrumbs', {'density': 0.3, 'bottom': 0.5}, 'config.breadcrumbs')
+
+
 def test_dare_l1_rescale_keeps_each_tensors_l1_norm():
   v = vectors(1)[0]
   dropped = ops.drop_and_rescale(v.delta, 0.7, jax.random.PRNGKey(3), 'l1_norm')
@@ -388,3 +418,39 @@ def test_dare_l1_rescale_keeps_each_tensors_l1_norm():
                                rtol=1e-5, err_msg=p)
     ratio = np.asarray(dropped[p])[kept] / x[kept]  # one factor for the whole tensor
     np.testing.assert_allclose(ratio, ratio[0], rtol=1e-5)
+
+
+def model_stock_reference(x0, xs, filter_wise):
+  """mergekit's model_stock.py in numpy: t from the mean pairwise cosine of the offsets, per
+  row along the last axis where `filter_wise` (a vector is one row), else over the tensor."""
+  shape = x0.shape
+  if filter_wise:
+    x0, xs = np.atleast_2d(x0), [np.atleast_2d(x) for x in xs]
+  else:
+    x0, xs = x0.reshape(-1), [x.reshape(-1) for x in xs]
+  offsets = [x - x0 for x in xs]
+  cosines = []
+  for i in range(len(offsets)):
+    for j in range(i + 1, len(offsets)):
+      product = np.linalg.norm(offsets[i], axis=-1) * np.linalg.norm(offsets[j], axis=-1)
+      cosines.append(np.clip((offsets[i] * offsets[j]).sum(-1) / np.maximum(product, 1e-6),
+                             -1, 1))
+  cos = np.mean(cosines, axis=0)[..., None]
+  n = len(xs)
+  t = n * cos / (1 + (n - 1) * cos)
+  return (t * sum(xs) / n + (1 - t) * x0).reshape(shape)
+
+
+@pytest.mark.parametrize('filter_wise', [False, True])
+def test_model_stock_follows_mergekits_code(filter_wise):
+  """Three vectors whose rows share a direction to different degrees: per-row t differs from
+  the whole tensor's, and each follows mergekit's formula."""
+  vs = vectors(3)
+  out = merged('model_stock', vs, clip=False, filter_wise=filter_wise)
+  for p, x0 in THETA0.items():
+    thetas = [x0.astype(np.float64) + d[p] for d in deltas(vs)]
+    expected = model_stock_reference(x0.astype(np.float64), thetas, filter_wise) - x0
+    np.testing.assert_allclose(out[p], expected, rtol=1e-4, atol=1e-5, err_msg=p)
+  whole = merged('model_stock', vs, clip=False, filter_wise=not filter_wise)
+  assert np.abs(whole['w'] - out['w']).max() > 1e-3  # a matrix's rows take their own t
+  np.testing.assert_allclose(whole['b'], out['b'], rtol=1e-5)  # a vector is one row

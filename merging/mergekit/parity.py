@@ -7,10 +7,11 @@ Each recipe of RECIPES (one or two per method, mergekit's defaults unless it say
 runs through both tools, each in its own process, whole process timed, on a generated
 Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s) of
 `config.benchmark.fixture`: 'tiny' (TINY's size, where start-up is most of the time) or
-'benchmark' (the checkpoint benchmark's 136M parameters a model). The table reports each output's largest difference from mergekit's, and the
-ratio of their Σ |θ − θ0| (a random method, DARE or DELLA, draws other masks than
-mergekit's: its outputs agree only in distribution, so that ratio is its measure). mergekit is
-not a dependency: it is run as the command given.
+'benchmark' (the checkpoint benchmark's 136M parameters a model). The table reports each
+output's largest difference from mergekit's, and the ratio of their Σ |θ − θ0| (a random
+method, DARE or DELLA, draws other masks than mergekit's: its outputs agree only in
+distribution, so that ratio is its measure). mergekit is not a dependency: it is run as the
+command given; tests/fixtures/mergekit/ holds its outputs of these recipes on a tiny model.
 """
 
 import os
@@ -43,6 +44,7 @@ RECIPES = {
     'della_linear': ('della_linear', True, '{epsilon: 0.1}', _W),
     'sce': ('sce', True, '{select_topk: 0.5}', None),
     'model_stock': ('model_stock', True, None, None),
+    'model_stock_filter_wise': ('model_stock', True, '{filter_wise: true}', None),
     'slerp': ('slerp', True, '{t: 0.3}', None),
     'nuslerp': ('nuslerp', False, '{nuslerp_flatten: false}', ['{weight: 1.0}', '{weight: 3.0}']),
     'nuslerp_base': ('nuslerp', True, None, ['{weight: 1.0}', '{weight: 3.0}']),

@@ -1,11 +1,11 @@
-"""mergekit's YAML recipes, read onto `configs/merge_checkpoints.py`.
+"""mergekit's YAML recipes, read into the fields of a `merging.recipe.Recipe`.
 
   models:                       # the models (an entry naming the base is the base)
     - model: /models/math
       parameters: {weight: 0.6, density: 0.2}
     - model: /models/code
       parameters: {weight: 0.4, density: 0.2}
-  merge_method: ties            # one of mergekit_methods.METHODS, or passthrough
+  merge_method: ties            # one of methods.METHODS, or passthrough
   base_model: /models/base
   parameters: {normalize: true, lambda: 1.0}   # global; per-model ones may be given here too
   dtype: bfloat16               # of the output (float32, bfloat16, float16)
@@ -13,29 +13,24 @@
 maps onto the same merges, each with mergekit's own defaults (its generalized task
 arithmetic: ties normalizes, dare_ties and dare_linear do not and rescale to each tensor's L1
 norm, density 1 keeps everything; `linear` is the normalized weighted task arithmetic
-Σ w_t θ_t / Σ w_t = θ0 + Σ w_t τ_t / Σ w_t). mergekit's `--random-seed` is `config.seed`:
-DARE's and DELLA's draws are keyed by it and each tensor's name, so a run is reproducible.
+Σ w_t θ_t / Σ w_t = θ0 + Σ w_t τ_t / Σ w_t). mergekit's `--random-seed` is the recipe's seed.
 
 Every parameter may vary by tensor as mergekit's do (`merging.checkpoints.layered`): a
-gradient over the layers, `t: [0, 0.5, 1]`, or {filter, value} entries per module,
-`t: [{filter: self_attn, value: [0, 1]}, {value: 0.5}]`; they become `config.layered`.
-
-Models may give a parameter different values (`config.per_model`) where the method takes it
-per vector (TIES' and DELLA's density, DARE's); a model that gives none takes mergekit's
-default. `passthrough` stacks the layer ranges of its `slices` (`merging.checkpoints.
-passthrough`); `tokenizer_source: base` keeps the base's tokenizer, as the merges do anyway.
-A parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
-accepted with a warning; any other key (a tokenizer union, parameters per slice) is named in
-the error, never ignored. `slices` with another method merge layer ranges of the models into
-the output's layers (`merging.checkpoints.sliced`): every slice lists the same models, the
-base among them, and gradients run over each slice's layers, as mergekit plans them.
+gradient over the layers, `t: [0, 0.5, 1]`, or {filter, value} entries per module; they
+become the recipe's layered values. Models may give a parameter different values (per-model)
+where the method takes it per vector (TIES' and DELLA's density, DARE's); a model that gives
+none takes mergekit's default. `passthrough` stacks the layer ranges of its `slices`, one
+source each; `tokenizer_source: base` keeps the base's tokenizer, as the merges do anyway. A
+parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
+accepted with a warning; any other key is named in the error, never ignored. `slices` with
+another method merge layer ranges of the models into the output's layers: every slice lists
+the same models, the base among them. A model listed twice (by the same real path) is refused,
+as mergekit refuses duplicate merge inputs.
 """
 
-import json
 import os
 from typing import Any
 
-import ml_collections
 import yaml
 from absl import logging
 
@@ -43,24 +38,28 @@ import merging
 from editing.errors import UserError
 from merging.checkpoints import layered
 from merging.checkpoints import sliced
-from merging.jobs import mergekit_methods as methods
+from merging.mergekit import methods
 
 _TOP_KEYS = ('models', 'slices', 'merge_method', 'base_model', 'parameters', 'dtype',
              'tokenizer_source')
 _MODEL_KEYS = ('model', 'parameters')
 
 
-def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.ConfigDict:
-  """`config` with the merge of the mergekit YAML at `path` filled in."""
-  doc = _read(path)
+def read(path: str) -> dict[str, Any]:
+  """The recipe fields of the mergekit YAML at `path` (`merging.recipe.Recipe`'s names)."""
+  doc, text = _read(path)
   _check_keys(doc, _TOP_KEYS, path, '')
   name = doc.get('merge_method')
   if name not in methods.METHODS and name != 'passthrough':
     raise UserError(f'{path}: merge_method {name!r} is not supported here; supported: '
                     f'{sorted(methods.METHODS) + ["passthrough"]}')
-  if name == 'passthrough':
-    return _passthrough(config, doc, path)
-  slices = None
+  fields = _passthrough(doc, path) if name == 'passthrough' else _merge(doc, path)
+  return {**fields, 'dtype': str(doc.get('dtype') or '') or None, 'mergekit_yaml': text}
+
+
+def _merge(doc: dict, path: str) -> dict[str, Any]:
+  """The fields of a recipe that merges with a method."""
+  name, slices = doc['merge_method'], None
   if 'slices' in doc:
     doc, slices = _sliced(doc, path)
   tokenizer = doc.get('tokenizer_source')
@@ -74,7 +73,34 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
   missing = [key for key in method.required if key not in given]
   if missing:
     raise UserError(f'{path}: {name} requires parameters.{", parameters.".join(missing)}')
+  per_model = _per_model(given, models, method, path, name)
+  settings, varying, per_model_settings = _settings(given, per_model, method, path)
+  if method.base == 'optional':
+    settings['task_space'] = bool(doc.get('base_model'))
+  _check_exists(base, path, 'base_model')
+  for i, entry in models:
+    _check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
+  weights = _weights(per_model.get('weight', []), path, varying)
+  if weights is not None and settings.get('normalize') and method.ours == 'task_arithmetic' \
+      and not any(f.startswith('weights.') for f in varying) and sum(weights) == 0:
+    raise UserError(f'{path}: parameters.weight of the models sum to 0 ({list(weights)}); '
+                    f'{name} divides by their sum')
+  scale = 1.0
+  if 'lambda' in given and 'lambda' in method.parameters:
+    value = _value(given['lambda'], path, 'parameters.lambda')
+    if layered.is_scalar(value):
+      scale = methods.number(value, path, 'parameters.lambda')
+    else:
+      varying['scale'] = value
+  return dict(base=str(base), models=tuple(str(entry['model']) for _, entry in models),
+              method=method.ours, settings=settings, per_model=per_model_settings,
+              layered=varying, slices=slices, weights=weights, scale=scale, tokenizer=None)
 
+
+def _per_model(given: dict, models: list, method: 'methods.Translation', path: str,
+               name: str) -> dict[str, list]:
+  """Each per-model parameter's value for every model: its own, else the global one, else
+  None (mergekit's default)."""
   per_model = {key: [] for key in method.model_parameters}
   for i, entry in models:
     own = entry.get('parameters') or {}
@@ -89,16 +115,21 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
       elif key in given:
         per_model[key].append(_value(given[key], path, 'parameters.' + key))
       else:
-        per_model[key].append(None)  # mergekit's default
+        per_model[key].append(None)
   for key in given:
     if key not in method.parameters + method.model_parameters:
       _ignored(path, 'parameters.' + key, name)
+  return per_model
 
+
+def _settings(given: dict, per_model: dict, method: 'methods.Translation',
+              path: str) -> tuple[dict, dict, dict]:
+  """Our settings, the values that vary by tensor, and the settings given per model."""
   values, differing = {}, {}
   for key, specs in per_model.items():
     if key == 'weight' or all(v is None for v in specs):
       continue
-    if len({json.dumps(v) for v in specs}) == 1:
+    if all(v == specs[0] for v in specs):
       values[key] = specs[0]
     else:
       differing[key] = specs
@@ -107,52 +138,31 @@ def apply(config: ml_collections.ConfigDict, path: str) -> ml_collections.Config
       values[key] = _value(given[key], path, 'parameters.' + key)
   settings, varying = dict(method.settings), {}
   for key, spec in values.items():
-    if method.ours == 'breadcrumbs' and key in ('density', 'gamma'):
+    if method.density_as == 'band' and key in ('density', 'gamma'):
       continue
     methods.place(key, spec, method, path, settings, varying)
   per_model_settings = {}
   for key, specs in differing.items():
     methods.place_per_model(key, specs, method, path, settings, varying, per_model_settings)
-  if method.ours == 'breadcrumbs':
-    _breadcrumbs_band(values.get('density', 1.0), values.get('gamma', 0.01), path, settings,
-                      varying)
-  if method.base == 'optional':
-    settings['task_space'] = bool(doc.get('base_model'))
-
-  _check_exists(base, path, 'base_model')
-  for i, entry in models:
-    _check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
-  out = ml_collections.ConfigDict(config.to_dict())
-  out.base, out.method = str(base), method.ours
-  out.models = ','.join(str(entry['model']) for _, entry in models)
-  weights = per_model.get('weight', [])
-  if 'weight' in method.model_parameters and any(w is not None for w in weights):
-    if None in weights:
-      raise UserError(f'{path}: give every model a weight, or none (parameters.weight for all)')
-    out.weights = ','.join(repr(w if isinstance(w, (int, float)) else 1.0) for w in weights)
-    varying.update({f'weights.{i}': w for i, w in enumerate(weights)
-                    if not isinstance(w, (int, float))})
-  else:
-    out.weights = ''
-  out.scale = 1.0
-  if 'lambda' in given and 'lambda' in method.parameters:
-    scale = _value(given['lambda'], path, 'parameters.lambda')
-    if isinstance(scale, (int, float)):
-      out.scale = methods.number(scale, path, 'parameters.lambda')
-    else:
-      varying['scale'] = scale
-  out.layered = json.dumps(varying) if varying else ''
-  out.per_model = json.dumps(per_model_settings) if per_model_settings else ''
-  out.dtype = str(doc.get('dtype') or '')
-  out.slices = json.dumps(slices) if slices else ''
-  section = out[method.ours].to_dict() if method.ours in out else {}
-  out[method.ours] = ml_collections.ConfigDict({**section, **settings})
-  return out
+  if method.density_as == 'band':
+    _band(values.get('density', 1.0), values.get('gamma', 0.01), path, settings, varying)
+  return settings, varying, per_model_settings
 
 
-def _passthrough(config: ml_collections.ConfigDict, doc: dict,
-                 path: str) -> ml_collections.ConfigDict:
-  """A passthrough recipe: its slices (one source each) onto config.passthrough."""
+def _weights(weights: list, path: str, varying: dict) -> tuple[float, ...] | None:
+  """Every model's weight (1 standing for one that varies by tensor, given in `varying`), or
+  None where no model gives one."""
+  if all(w is None for w in weights):
+    return None
+  if None in weights:
+    raise UserError(f'{path}: give every model a weight, or none (parameters.weight for all)')
+  varying.update({f'weights.{i}': w for i, w in enumerate(weights) if not layered.is_scalar(w)})
+  return tuple(methods.number(w, path, 'parameters.weight') if layered.is_scalar(w) else 1.0
+               for w in weights)
+
+
+def _passthrough(doc: dict, path: str) -> dict[str, Any]:
+  """A passthrough recipe: its slices, one source each."""
   slices = []
   for i, piece in enumerate(doc.get('slices') or []):
     _check_keys(piece, ('sources',), path, f'slices[{i}].')
@@ -165,7 +175,7 @@ def _passthrough(config: ml_collections.ConfigDict, doc: dict,
     if not sliced.is_layer_range(span):
       raise UserError(f'{path}: slices[{i}].sources[0].layer_range = {span!r}: [first, end)')
     _check_exists(sources[0].get('model'), path, f'slices[{i}].sources[0].model')
-    slices.append([sources[0]['model'], *span])
+    slices.append({sources[0]['model']: list(span)})
   if not slices or doc.get('models'):
     raise UserError(f'{path}: passthrough is read here from slices alone')
   given = doc.get('parameters') or {}
@@ -175,20 +185,18 @@ def _passthrough(config: ml_collections.ConfigDict, doc: dict,
     tokenizer = doc.get('base_model')
   if tokenizer is not None:
     _check_exists(tokenizer, path, 'tokenizer_source')
-  out = ml_collections.ConfigDict(config.to_dict())
-  out.method, out.dtype = 'passthrough', str(doc.get('dtype') or '')
-  out.passthrough = ml_collections.ConfigDict({
-      'slices': json.dumps(slices), 'tokenizer': tokenizer or '',
-      'scale': json.dumps(_value(given.get('scale', 1.0), path, 'parameters.scale'))})
-  return out
+  scale = _value(given.get('scale', 1.0), path, 'parameters.scale')
+  number = layered.is_scalar(scale)
+  return dict(base='', models=(), method='passthrough', settings={}, per_model={},
+              layered={} if number else {'scale': scale}, slices=tuple(slices), weights=None,
+              scale=methods.number(scale, path, 'parameters.scale') if number else 1.0,
+              tokenizer=tokenizer)
 
 
-def _breadcrumbs_band(density: Any, gamma: Any, path: str, settings: dict,
-                      varying: dict) -> None:
-  """Breadcrumbs' band (top, bottom) of mergekit's density and gamma, each a number or a
-  gradient over the layers. Where neither clips (d < 1, d + γ ≤ 1 at every anchor), top = γ
-  and bottom = 1 − d − γ are linear in them, so gradients of d and γ are gradients of the
-  band, anchor by anchor; anything else is named."""
+def _band(density: Any, gamma: Any, path: str, settings: dict, varying: dict) -> None:
+  """Breadcrumbs' settings of mergekit's density and gamma, each a number or a gradient over
+  the layers (`methods.band`: density and top are theirs, anchor by anchor); anything else is
+  named."""
   specs = {'density': density, 'gamma': gamma}
   for key, spec in specs.items():
     if not (layered.is_scalar(spec) or all(layered.is_scalar(v) for v in spec)):
@@ -206,17 +214,11 @@ def _breadcrumbs_band(density: Any, gamma: Any, path: str, settings: dict,
   anchors = {k: [methods.number(x, path, k)
                  for x in (v if isinstance(v, list) else [v] * count)]
              for k, v in specs.items()}
-  if any(d >= 1 or d + g > 1 for d, g in zip(anchors['density'], anchors['gamma'])):
-    raise UserError(f'{path}: breadcrumbs\' density and gamma vary by layer, and at some '
-                    'anchor density is 1 or density + gamma exceeds 1, where the band clips; '
-                    'give density + gamma ≤ 1 throughout')
-  top = anchors['gamma']
-  bottom = [1 - d - g for d, g in zip(anchors['density'], top)]
-  settings.update(top=top[0], bottom=bottom[0])
-  varying.update(top=top, bottom=bottom)
+  settings.update(top=anchors['gamma'][0], bottom=0.0, density=anchors['density'][0])
+  varying.update(top=anchors['gamma'], density=anchors['density'])
 
 
-def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
+def _sliced(doc: dict, path: str) -> tuple[dict, tuple[dict, ...]]:
   """A recipe of slices merged with a method: `doc` with the models its slices list (the
   first slice's order, each with its parameters), and each slice's {model: layer range}."""
   if doc.get('models'):
@@ -225,7 +227,10 @@ def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
   for k, piece in enumerate(doc.get('slices') or []):
     _check_keys(piece, ('sources',), path, f'slices[{k}].')
     ranges = {}
-    for i, source in enumerate(piece.get('sources') or []):
+    sources = piece.get('sources') or []
+    _check_distinct([s.get('model') if isinstance(s, dict) else None for s in sources], path,
+                    f'slices[{k}].sources')
+    for i, source in enumerate(sources):
       where = f'slices[{k}].sources[{i}].'
       _check_keys(source, ('model', 'layer_range', 'parameters'), path, where)
       model, span = source.get('model'), source.get('layer_range')
@@ -236,7 +241,7 @@ def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
       if models.setdefault(model, parameters) != parameters:
         raise UserError(f'{path}: {where}parameters: {model} is given other parameters in an '
                         'earlier slice; a model takes the same parameters in every slice here')
-      ranges[model] = span
+      ranges[model] = list(span)
     if k and set(ranges) != set(slices[0]):
       raise UserError(f'{path}: slices[{k}] merges {sorted(ranges)}, slices[0] '
                       f'{sorted(slices[0])}; every slice merges the same models here')
@@ -248,23 +253,25 @@ def _sliced(doc: dict, path: str) -> tuple[dict, list[dict]]:
     raise UserError(f'{path}: base_model {base} is not a source of the slices; every slice '
                     'gives the base a layer range too')
   entries = [{'model': m, **({'parameters': p} if p else {})} for m, p in models.items()]
-  return {**{k: v for k, v in doc.items() if k != 'slices'}, 'models': entries}, slices
+  return {**{k: v for k, v in doc.items() if k != 'slices'}, 'models': entries}, tuple(slices)
 
 
-def _read(path: str) -> dict:
+def _read(path: str) -> tuple[dict, str]:
   try:
     with open(path) as f:
-      doc = yaml.safe_load(f)
+      text = f.read()
   except FileNotFoundError:
-    raise FileNotFoundError(f'no mergekit config at {path}') from None
+    raise UserError(f'no mergekit config at {path}') from None
+  try:
+    doc = yaml.safe_load(text)
   except yaml.YAMLError as e:
     raise UserError(f'{path} is not valid YAML ({e})') from None
   if not isinstance(doc, dict):
     raise UserError(f'{path}: a mergekit config is a mapping with {_TOP_KEYS}')
-  return doc
+  return doc, text
 
 
-def _models(doc: dict, method: 'methods.Method',
+def _models(doc: dict, method: 'methods.Translation',
             path: str) -> tuple[str, list[tuple[int, dict]]]:
   """The base checkpoint and the (index, entry) of each model merged against it (index −1:
   the base itself, where it is averaged in)."""
@@ -272,6 +279,7 @@ def _models(doc: dict, method: 'methods.Method',
   entries = list(enumerate(doc.get('models') or []))
   for i, entry in entries:
     _check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
+  _check_distinct([e.get('model') for _, e in entries], path, 'models')
   if method.base == 'required' and not base:
     raise UserError(f'{path}: base_model is required for {doc["merge_method"]} (it merges '
                     'task vectors against it)')
@@ -294,6 +302,21 @@ def _models(doc: dict, method: 'methods.Method',
     raise UserError(f'{path}: {doc["merge_method"]} merges {count} model'
                     f'{"s" if count > 1 else ""} besides the base, got {len(entries)}')
   return base, entries
+
+
+def _check_distinct(models: list, path: str, key: str) -> None:
+  """No model is listed twice, by its path or by another path to the same files (mergekit
+  refuses duplicate merge inputs)."""
+  seen = {}
+  for model in models:
+    if not isinstance(model, str):
+      continue
+    real = os.path.realpath(model)
+    if real in seen:
+      same = '' if seen[real] == model else f' (as {seen[real]}, the same directory)'
+      raise UserError(f'{path}: {key} lists {model} twice{same}; mergekit refuses duplicate '
+                      'merge inputs')
+    seen[real] = model
 
 
 def _value(raw: Any, path: str, key: str) -> Any:
