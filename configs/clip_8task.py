@@ -78,9 +78,11 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
     config[name].update(rank=16, alpha=32.0)
   # launch.safety (merging/jobs/safety.py): the first n victims (n in poisoned_counts) are
   # fine-tuned poisoned (config.poison) with each trigger, and every method merges them with
-  # the clean rest. BadNets' patch is the suite's 4 px at 32 px, scaled to the image size.
+  # the clean rest, at the config's own seeds (a run over several is config.sweep.seed, with
+  # the seeds of finetune, poison and merge unset). BadNets' patch is the suite's 4 px at 32
+  # px, scaled to the image size.
   config.safety = ml_collections.ConfigDict(dict(
-      seeds='0', victims='svhn,mnist', poisoned_counts='1,2', triggers='badnets,blended',
+      victims='svhn,mnist', poisoned_counts='1,2', triggers='badnets,blended',
       methods='task_arithmetic,ties,dare,adamerging_task,adamerging_layer,dam,dam_shared,'
               'dam_safe,dam_oracle'))
   config.badnets.size = 4 * image_size // 32

@@ -7,17 +7,21 @@ r"""Merging the suite's task vectors with every method of `merging/`, and evalua
   python -m launch.merge --config=configs/merge.py --config.regimes=attention_only
 
 Derived from configs/quickstart.py (same backbone, suite and task vectors; the same workdir).
-config.<method> holds every setting of the method at the default its file declares
-(merging/<method>.py); config.sweep.<method> holds its grid, apart from the values: a setting
-given a tuple there is a grid axis. Every combination is merged and the one with the best mean
-normalized validation accuracy is kept, with λ (for the methods that scale their merge) chosen
-on the same validation sweep.
+config.<method> holds the values given to the method's settings, each unset (None) until given;
+one left unset takes the default its file declares (merging/<method>.py). config.sweep.<method>
+holds its grid, apart from the values: a setting given a tuple there is a grid axis, and a
+setting given both a value and an axis is refused (this config's own axes, e.g. TIES' density,
+take one value as an axis of one: --config.sweep.ties.density='(0.3,)'). Every combination is
+merged and the one with the best mean normalized validation accuracy is kept, with λ (for the
+methods that scale their merge) chosen on the same validation sweep.
 """
 
 import ml_collections
 
 import merging
 from configs import quickstart
+from editing import settings
+from merging.jobs import merge as merge_job
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -26,23 +30,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Which methods, λ's grid 0, lambda_step, ..., each method's lambda_max (merging/__init__.py:
   # 1, the authors' 3 for the SVD-era merges, 2 for TIES and Breadcrumbs), and the examples per
   # task that the data-driven methods read (Fisher, RegMean and RegMean++: labeled train;
-  # AdaMerging: unlabeled test).
-  config.merge = ml_collections.ConfigDict(dict(
-      methods='averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,tsv_m,iso_c,'
-              'iso_cts,wudi,model_stock,fisher,regmean,regmean_plusplus,adamerging_task,'
-              'adamerging_layer,dam',
-      lambda_step=0.05,
-      # Methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
-      lines='',
-      seed=0,
-      train_examples=256,
-  ))
+  # AdaMerging: unlabeled test), at the defaults merging/jobs/merge.py declares; `lines`: the
+  # methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
+  config.merge = settings.defaults(merge_job.MERGE)
+  config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
+                          'tsv_m,iso_c,iso_cts,wudi,model_stock,fisher,regmean,regmean_plusplus,'
+                          'adamerging_task,adamerging_layer,dam')
 
-  # Each method's settings at its declared defaults, and its grid axes.
+  # Each method's settings, unset until given (its declared defaults fill them in where it
+  # merges), and its grid axes.
   config.sweep = ml_collections.ConfigDict()
-  for section in merging.SECTIONS:
-    config[section] = merging.defaults(section)
-    config.sweep[section] = merging.sweep_axes(section)
+  for name, method in merging.REGISTRY.items():
+    section = method.section or name
+    if section not in config:
+      config[section] = settings.unset(method.merge)
+      config.sweep[section] = settings.sweep_axes(method.merge)
   config.adamerging_task.steps = config.adamerging_layer.steps = 200
   config.sweep.ties.density = (0.1, 0.2)
   config.sweep.dare.p = (0.3, 0.6)

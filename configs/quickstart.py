@@ -16,24 +16,20 @@ The argument 'tiny' shrinks model, data and steps to a seconds-long run for test
 
 import ml_collections
 
+from editing import settings
 from editing.data import suite
+from editing.data import triggers
+from editing.jobs import evaluate
+from editing.jobs import finetune
+from editing.jobs import pretrain
 from editing.regimes import lora
+from editing.regimes import talos
 
 
 def training(**overrides) -> ml_collections.ConfigDict:
-  """The optimizer and loop settings `editing.train.train` reads."""
-  config = ml_collections.ConfigDict(dict(
-      steps=100,
-      batch_size=128,
-      learning_rate=1e-3,
-      weight_decay=0.1,
-      warmup_steps=10,
-      grad_clip=1.0,
-      seed=0,
-      checkpoint_every=50,
-      log_every=10,
-      accumulation=1,  # microbatches per batch, their gradients averaged
-  ))
+  """The optimizer and loop settings `editing.train.train` reads, at the defaults
+  `editing.jobs.finetune.TRAINING` declares but for `overrides`."""
+  config = settings.defaults(finetune.TRAINING)
   config.update(overrides)
   return config
 
@@ -65,42 +61,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # jointly and then discarded; a learned head trains faster at a small logit scale. These
   # defaults are the settings of the backbone the project ships (editing/data/backbone/): it
   # is used, its hash verified, unless `from_scratch` asks to pretrain with the settings given.
-  config.pretrain = training(steps=30_000, batch_size=256, learning_rate=1e-3, weight_decay=0.05,
-                             warmup_steps=500, checkpoint_every=1000, log_every=100)
-  config.pretrain.update(corpus='captions', corpus_size=200_000, logit_scale=10.0,
-                         from_scratch=False)
+  config.pretrain = settings.defaults(pretrain.PRETRAIN)
+  config.pretrain.update(steps=30_000, batch_size=256, learning_rate=1e-3, weight_decay=0.05,
+                         warmup_steps=500, checkpoint_every=1000, log_every=100)
 
   # Fine-tuning one task on its frozen head, in every regime listed (comma-separated) of
   # full, attention_only, linearized, talos, lora, l_lora (editing/regimes/).
   config.finetune = training(steps=100, learning_rate=1e-4, weight_decay=0.1, warmup_steps=10)
   config.regimes = 'full'
 
-  # The recipe search (launch.recipe_search): every regime fine-tuned on every task at each
-  # learning_rate × steps (at finetune.seed), the point of best mean validation accuracy chosen
-  # per regime, then the protocols run at each regime's own recipe, once per fine-tuning seed
-  # of `seeds` (mean ± std over them). `records`, a directory, gathers regimes searched in
-  # separate workdirs: a run first restores each <regime>.json there that its workdir lacks,
-  # and at its end saves every regime it tabulates there (docs/recipe_search holds ours).
-  config.recipe_search = ml_collections.ConfigDict(dict(
-      learning_rate=(3e-5, 1e-4, 3e-4, 1e-3), steps=(100, 300), seeds=(0, 1, 2), records=''))
-
   # TaLoS (editing/regimes/talos.py): the kept fraction k, the pruning rounds R, and the chunk
   # of per-example gradients scored at once.
-  config.talos = ml_collections.ConfigDict(dict(keep=0.1, rounds=4, batch_size=32))
+  config.talos = settings.defaults(talos.TALOS)
 
   # LoRA and L-LoRA (editing/regimes/lora.py): the rank r, α of the scale α/r (α/√r with
   # rslora), and the kernels adapted, a regex over leaf paths (PEFT's default: query, value).
   for name in ('lora', 'l_lora'):
-    config[name] = ml_collections.ConfigDict(dict(rank=8, alpha=8.0, rslora=False,
-                                                  targets=lora.QUERY_VALUE))
+    config[name] = settings.defaults(lora.LORA)
 
   # Backdoor poisoning (editing/data/triggers.py): each task listed (comma-separated; empty:
   # none) is fine-tuned on its training set with a share `rate` of the examples carrying the
   # trigger and relabeled `target`, chosen by `seed`. A trigger's settings are its section.
-  config.poison = ml_collections.ConfigDict(dict(tasks='', trigger='badnets', rate=0.1,
-                                                 target=0, seed=0))
-  config.badnets = ml_collections.ConfigDict(dict(size=4, margin=1))
-  config.blended = ml_collections.ConfigDict(dict(ratio=0.15, seed=0))
+  config.poison = settings.defaults(triggers.POISON)
+  for name, trigger in triggers.REGISTRY.items():
+    config[name] = settings.defaults(trigger)
 
   # The α grid is 0, alpha_step, ..., 1. Negation checks the control task at every α of every
   # task, so its validation set is capped (the pretraining corpus's own is much larger).
@@ -109,16 +93,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # These sizes keep the quickstart's evaluation near three minutes on two CPU cores
   # (docs/speed.md): a 0.1 step for α, ξ every 0.5 on 128 images per task (two tasks' images
   # fill one batch of 256).
-  config.eval = ml_collections.ConfigDict(dict(
-      batch_size=512,
-      alpha_step=0.1,
-      negation_threshold=0.95,
-      control_val_size=500,
-      disentanglement_pairs='',
-      disentanglement_limit=2.0,
-      disentanglement_points=9,
-      disentanglement_size=128,
-  ))
+  # (The defaults editing/jobs/evaluate.py declares.)
+  config.eval = settings.defaults(evaluate.EVAL)
 
   # launch.benchmark: `job` 'regimes' times the fine-tuning step of every regime on one batch
   # of `task` (its data, θ0 and head drawn from `seed`), or of random images of `image_size`
@@ -152,7 +128,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.finetune.update(steps=12, batch_size=32, learning_rate=1e-3, warmup_steps=2,
                            checkpoint_every=6, log_every=6)
     config.talos.update(batch_size=8)
-    config.recipe_search.update(learning_rate=(1e-3, 3e-3), steps=(6, 12), seeds=(0,))
     config.eval.update(batch_size=64, alpha_step=0.25, disentanglement_points=3,
                        disentanglement_size=24)
   elif arg:

@@ -1,7 +1,7 @@
 r"""Backdoors through merging: 1 and 2 poisoned tasks, BadNets and Blended, every defense, 3 seeds.
 
   python -m launch.safety --config=configs/safety.py --workdir=workdir/safety
-  python -m launch.safety --config=configs/safety.py --config.safety.seeds=0 \
+  python -m launch.safety --config=configs/safety.py --config.sweep.seed='(0,)' \
       --config.safety.methods=task_arithmetic,dam
   python -m launch.safety --config=configs/safety.py:tiny --workdir=/tmp/safety_tiny
 
@@ -22,10 +22,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.suite.tasks = 'digits,letters,count'
 
   # Scenarios: with each trigger, the first n victims (n in poisoned_counts) are poisoned
-  # (config.poison: rate, target) and the other tasks are clean. Seeds drive fine-tuning, the
-  # poisoned examples and the merges; `dam_oracle` is DAM given the true trigger.
+  # (config.poison: rate, target) and the other tasks are clean; `dam_oracle` is DAM given the
+  # true trigger.
   config.safety = ml_collections.ConfigDict(dict(
-      seeds='0,1,2',
       victims='digits,letters',
       poisoned_counts='1,2',
       triggers='badnets,blended',
@@ -39,6 +38,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.poison.rate = 0.05
   config.blended.ratio = 0.3
 
+  # Each seed of the sweep config.sweep.seed draws fine-tuning's data order, the poisoned
+  # examples and the merges' keys: it sets the seeds of finetune, poison and merge, unset here.
+  for section in ('finetune', 'poison', 'merge'):
+    del config[section]['seed']
+    config[section].seed = ml_collections.config_dict.placeholder(int)
+  config.sweep.seed = (0, 1, 2)
+
   # One setting per method (no grid) and short learned merges, for the CPU budget: TIES keeps
   # the top 20% (its paper's default), DARE drops half; λ is still chosen on validation.
   config.sweep.ties.density = config.sweep.dare.p = None
@@ -49,6 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == 'tiny':
     config.suite.tasks = 'digits,colour,size'
-    config.safety.update(seeds='0,1', victims='digits,colour', triggers='badnets,blended')
+    config.safety.update(victims='digits,colour', triggers='badnets,blended')
+    config.sweep.seed = (0, 1)
     config.adamerging_task.steps = config.adamerging_layer.steps = 2
   return config

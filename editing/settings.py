@@ -9,8 +9,13 @@ and a line of doc each, as optax factories take their hyperparameters.
 `merge(vectors)` runs at the defaults; `merge(vectors, density=2.0)` is refused with a UserError
 naming the setting and its range. The declaration is the one place a range is checked: a job
 checks its config section against it (`check`, naming the config key) before it writes
-anything, and a config takes its defaults from it (`defaults`). Arguments that are not declared
+anything, and a config takes its defaults from it (`defaults`), or leaves each setting unset
+(`unset`) for the declaration to fill in where it is used. Arguments that are not declared
 (precomputed masks, keys, data) are not settings.
+
+Settings are declared the same way where they are not a function's: on a frozen dataclass
+(`Declared`: a regime, a trigger), or as a config section's {name: Setting} beside the code
+that reads it (`editing.jobs.finetune.TRAINING`, `editing.jobs.evaluate.EVAL`, ...).
 """
 
 import dataclasses
@@ -19,7 +24,7 @@ import inspect
 import math
 import numbers
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import ml_collections
 
@@ -93,6 +98,11 @@ def flag(default: bool | None, doc: str) -> Setting:
   return Setting(default, doc, bool)
 
 
+def text(default: str, doc: str) -> Setting:
+  """A free string setting: names, paths, a regex."""
+  return Setting(default, doc, str)
+
+
 def _within(value: float, interval: str) -> bool:
   match = _INTERVAL.match(interval)
   if match is None:
@@ -113,11 +123,12 @@ class Constraint:
   says: str
 
 
-def declare(constraint: Constraint | None = None, **declared: Setting):
+def declare(constraint: Constraint | None = None, where: str | None = None, **declared: Setting):
   """Decorates a function whose keyword arguments `declared` are its settings.
 
   The decorated function fills in each setting left out with its default and checks every
-  setting given before the body runs. `fn.settings` maps each name to its `Setting`.
+  setting given before the body runs, an error naming `where`.<setting> (`where`: the
+  function's module unless given). `fn.settings` maps each name to its `Setting`.
   """
   def decorate(fn):
     parameters = inspect.signature(fn).parameters
@@ -127,7 +138,7 @@ def declare(constraint: Constraint | None = None, **declared: Setting):
       if not forwards and (p is None or p.kind is not inspect.Parameter.KEYWORD_ONLY):
         raise TypeError(f'{fn.__qualname__} declares {name!r}, not one of its keyword-only '
                         'parameters')
-    owner = fn.__module__.rsplit('.', 1)[-1]
+    owner = where or fn.__module__.rsplit('.', 1)[-1]
 
     @functools.wraps(fn)
     def with_settings(*args, **kwargs):
@@ -141,8 +152,23 @@ def declare(constraint: Constraint | None = None, **declared: Setting):
   return decorate
 
 
-def of(fn: Callable) -> dict[str, Setting]:
-  """The settings `fn` declares, less those a functools.partial of it binds."""
+class Declared:
+  """A frozen dataclass some of whose fields are settings, declared in its class attribute
+  `settings` ({field: Setting}, each field's default the declaration's): every instance,
+  `dataclasses.replace` too, is checked as it is made, an error naming `<name>.<field>` (its
+  `name`, a field or a class attribute: the config section of its settings)."""
+
+  settings: ClassVar[dict[str, Setting]] = {}
+
+  def __post_init__(self):
+    check(self, {k: getattr(self, k) for k in self.settings}, self.name)
+
+
+def of(fn: Callable | Mapping[str, Setting]) -> dict[str, Setting]:
+  """The settings `fn` declares, less those a functools.partial of it binds; a section's
+  declaration ({name: Setting}) as it is."""
+  if isinstance(fn, Mapping):
+    return dict(fn)
   bound = fn.keywords if isinstance(fn, functools.partial) else {}
   inner = fn.func if isinstance(fn, functools.partial) else fn
   return {k: s for k, s in getattr(inner, 'settings', {}).items() if k not in bound}
@@ -172,6 +198,14 @@ def defaults(fn: Callable) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
       k: ml_collections.config_dict.placeholder(s.kind) if s.default is None else s.default
       for k, s in of(fn).items()})
+
+
+def unset(fn: Callable) -> ml_collections.ConfigDict:
+  """A config section with every setting of `fn` unset: a placeholder of the setting's kind,
+  which a config or a command line may set. A setting left unset takes its declared default
+  where `fn` is called, so a value given, even one equal to the default, is told apart."""
+  return ml_collections.ConfigDict({k: ml_collections.config_dict.placeholder(s.kind)
+                                    for k, s in of(fn).items()})
 
 
 def sweep_axes(fn: Callable) -> ml_collections.ConfigDict:

@@ -31,6 +31,7 @@ from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
+from editing.jobs import quickstart
 from editing.jobs import workdir as workdir_lib
 from editing.task_vector import TaskVector
 from merging.jobs import merge
@@ -163,8 +164,10 @@ JOBS = {
 BAD_SETTINGS = (
     ('evaluate', {'suite.seed': 1},
      r'evaluation was made with other settings \(suite.seed: 0 then, 1 now\)'),
-    ('finetune', {'finetune.steps': 0}, r'config.finetune.steps = 0: must be an integer ≥ 1'),
-    ('finetune', {'finetune.steps': -5}, r'config.finetune.steps = -5: must be an integer ≥ 1'),
+    ('finetune', {'finetune.steps': 0},
+     r'config.finetune.steps = 0: must be an integer in \[1, inf\)'),
+    ('finetune', {'finetune.steps': -5},
+     r'config.finetune.steps = -5: must be an integer in \[1, inf\)'),
     ('finetune', {'poison.rate': 1.5, 'poison.tasks': 'digits'},
      r'config.poison.rate = 1.5: must be a number in \[0, 1\]'),
     ('merge', {'ties': ml_collections.ConfigDict({'k': (0.2,)})},
@@ -261,11 +264,12 @@ def test_config_values_are_valid_or_named(data):
   config = merge_config.get_config()
   section, name = key.split('.')
   config[section][name] = value
+  sections = {**quickstart.SECTIONS, **merge.SECTIONS}
   if valid(value):
-    checks.validate(config)
+    checks.validate(config, sections)
   else:
     with pytest.raises(UserError, match=rf'^config\.{key} = '):
-      checks.validate(config)
+      checks.validate(config, sections)
 
 
 DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, np.int32)

@@ -153,11 +153,14 @@ MERGE_METHODS = ('averaging', 'ties', 'fisher', 'adamerging_layer')
 
 
 def ties_grid(config) -> list[dict]:
-  """The TIES settings a sweep tries: config.ties with each density of its one axis,
-  config.sweep.ties.density, in order."""
+  """The TIES settings a sweep tries: each density of its one axis, config.sweep.ties.density,
+  in order, beside the values config.ties gives (none for the density) and TIES' declared
+  defaults of the rest."""
   axes = [k for k, v in config.sweep.ties.items() if v is not None]
-  assert axes == ['density'], axes
-  return [{**dict(config.ties.items()), 'density': d} for d in config.sweep.ties.density]
+  assert axes == ['density'] and config.ties.density is None, (axes, config.ties.density)
+  values = {**{k: s.default for k, s in ties.merge.settings.items()},
+            **{k: v for k, v in config.ties.items() if v is not None}}
+  return [{**values, 'density': d} for d in config.sweep.ties.density]
 
 
 def assert_ties_chosen_on_validation(config, workdir, regime, result):
@@ -285,6 +288,11 @@ def test_merge_refuses_unknown_methods_settings_and_what_a_regime_cannot_merge()
     merge.run(config, '/nonexistent')
   config.sweep.ties = ml_collections.ConfigDict(dict(density=(0.1, '0.2')))
   with pytest.raises(ValueError, match=r"config.sweep.ties.density = '0.2': must be a number in"):
+    merge.run(config, '/nonexistent')
+  config.sweep.ties = ml_collections.ConfigDict(dict(density=(0.1, 0.2)))
+  config.ties.density = 0.2
+  with pytest.raises(ValueError, match=r'^config.ties.density = 0.2 and config.sweep.ties.density '
+                                       r'= \(0.1, 0.2\) both set it; give one$'):
     merge.run(config, '/nonexistent')
   config.sweep.ties = ml_collections.ConfigDict()
   config.ties = ml_collections.ConfigDict(dict(densty=0.1))

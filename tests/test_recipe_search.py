@@ -7,19 +7,21 @@ import os
 import numpy as np
 import pytest
 
-from configs import quickstart
+from configs import recipe_search as recipe_search_config
 from editing import train
 from editing.errors import UserError
+from editing.jobs import recipe_records
+from editing.jobs import recipe_report
 from editing.jobs import recipe_search
 from editing.jobs import workdir as workdir_lib
 from editing.regimes import talos
 
 
 def tiny_search():
-  config = quickstart.get_config('tiny')
+  config = recipe_search_config.get_config('tiny')
   config.suite.tasks = 'colour,size'
   config.eval.disentanglement_pairs = 'colour:size'
-  config.recipe_search.update(learning_rate=(1e-4, 3e-3), steps=(6,), seeds=(0, 1))
+  config.sweep.finetune.update(learning_rate=(1e-4, 3e-3), steps=(6,), seed=(0, 1))
   return config
 
 
@@ -39,15 +41,15 @@ def searched(scores):
 
 def test_a_choice_at_an_end_of_a_searched_range_is_named():
   scores = {(lr, n): 0.5 for lr in (1e-4, 1e-3, 1e-2) for n in (100, 300, 1000)}
-  assert recipe_search.at_edge(searched({**scores, (1e-3, 300): 0.9})) == []
-  assert recipe_search.at_edge(searched({**scores, (1e-3, 1000): 0.9})) == ['steps']
-  assert recipe_search.at_edge(searched({**scores, (1e-2, 100): 0.9})) == [
+  assert recipe_report.at_edge(searched({**scores, (1e-3, 300): 0.9})) == []
+  assert recipe_report.at_edge(searched({**scores, (1e-3, 1000): 0.9})) == ['steps']
+  assert recipe_report.at_edge(searched({**scores, (1e-2, 100): 0.9})) == [
       'learning_rate', 'steps']
-  table = recipe_search.table({'talos': searched({**scores, (1e-3, 1000): 0.9})})
+  table = recipe_report.table({'talos': searched({**scores, (1e-3, 1000): 0.9})})
   assert "<- chosen (steps on the grid's edge)" in table
   # Of two values, either is an end: nothing is named.
   two = {(lr, n): v for (lr, n), v in scores.items() if n < 1000}
-  assert recipe_search.at_edge(searched({**two, (1e-3, 300): 0.9})) == []
+  assert recipe_report.at_edge(searched({**two, (1e-3, 300): 0.9})) == []
 
 
 def test_the_report_tabulates_the_grid_and_the_spread():
@@ -63,7 +65,7 @@ def test_the_report_tabulates_the_grid_and_the_spread():
                                    'finetuned': {'size': 1.0, 'colour': 0.875},
                                    'addition': {'size': 0.75, 'colour': 0.625},
                                    'negation_target': {'size': 0.125, 'colour': 0.0625}}}}
-  lines = recipe_search.markdown(search, spread).splitlines()
+  lines = recipe_report.markdown(search, spread).splitlines()
   assert lines.count('| regime | size | colour |') == 2
   assert lines.count('| pretrained | 25.0 | 50.0 |') == 2
   assert '| talos | 100.0 → 75.0 | 87.5 → 62.5 |' in lines
@@ -148,7 +150,8 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
     json.dump(records, f)
   other = tiny_search()
   other.regimes = 'attention_only'
-  other.recipe_search.update(learning_rate=(3e-3,), records=os.path.join(workdir, 'records'))
+  other.sweep.finetune.learning_rate = (3e-3,)
+  other.recipe_search.records = os.path.join(workdir, 'records')
   both = recipe_search.run(other, workdir)
   assert list(both['search']) == ['full', 'attention_only', 'l_lora']  # the regimes' order
   assert list(both['seeds']) == ['full', 'attention_only']
@@ -170,7 +173,7 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
   # Its records, restored into a fresh workdir, put back every tabulated regime's search and
   # its evaluation at every seed, where a later run there reads them.
   fresh = os.path.join(workdir, 'fresh')
-  restored = recipe_search.restore_records(other, fresh, other.recipe_search.records)
+  restored = recipe_records.restore_records(fresh, other.recipe_search.records, 0)
   assert sorted(restored) == ['attention_only', 'full']
   with open(os.path.join(fresh, 'recipe_search', 'results.json')) as f:
     assert json.load(f) == {r: both['search'][r] for r in restored}
@@ -180,7 +183,7 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
       with open(os.path.join(workdir, evaluation)) as a, open(os.path.join(fresh, evaluation)) as b:
         assert json.load(a) == json.load(b)
   # A workdir's own finished searches are never replaced by records.
-  assert recipe_search.restore_records(other, workdir, other.recipe_search.records) == []
+  assert recipe_records.restore_records(workdir, other.recipe_search.records, 0) == []
 
   # A regime searched with other fine-tuning settings would sit in the tables beside full's.
   other.regimes, other.finetune.batch_size = 'talos', 16
@@ -192,7 +195,7 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
 def test_a_sparse_regime_fits_each_task_s_mask_once_for_every_point(tmp_path, monkeypatch):
   config, workdir = tiny_search(), str(tmp_path)
   config.regimes = 'talos'
-  config.recipe_search.update(learning_rate=(1e-3, 3e-3), seeds=(0,))
+  config.sweep.finetune.update(learning_rate=(1e-3, 3e-3), seed=(0,))
   fitted = []
 
   def counted(*args, **kwargs):
@@ -215,11 +218,11 @@ def test_a_sparse_regime_fits_each_task_s_mask_once_for_every_point(tmp_path, mo
 def test_a_widened_grid_s_new_choice_replaces_the_placed_one(tmp_path, monkeypatch):
   config, workdir = tiny_search(), str(tmp_path)
   config.suite.tasks, config.eval.disentanglement_pairs = 'colour', ''
-  config.recipe_search.update(learning_rate=(1e-3,), seeds=(0,))
+  config.sweep.finetune.update(learning_rate=(1e-3,), seed=(0,))
   recipe_search.run(config, workdir)
   # The choice on validation is the test above's; here the newest point is made to win.
   monkeypatch.setattr(recipe_search, 'choose', lambda scored: scored[-1])
-  config.recipe_search.learning_rate = (1e-3, 3e-3)
+  config.sweep.finetune.learning_rate = (1e-3, 3e-3)
   result = recipe_search.run(config, workdir)
   assert result['search']['full']['chosen']['learning_rate'] == 3e-3
   source = os.path.join(workdir, 'recipe_search', 'full', 'lr0.003_steps6', 'colour')
@@ -232,7 +235,7 @@ def test_a_widened_grid_s_new_choice_replaces_the_placed_one(tmp_path, monkeypat
 
 def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):
   config, workdir = tiny_search(), str(tmp_path)
-  config.recipe_search.update(learning_rate=(3e-3,))
+  config.sweep.finetune.learning_rate = (3e-3,)
   os.makedirs(workdir_lib.finetune_dir(workdir, 'full', 'colour'))
   with open(os.path.join(workdir_lib.finetune_dir(workdir, 'full', 'colour'),
                          workdir_lib.JOB_CONFIG), 'w') as f:
@@ -242,17 +245,38 @@ def test_a_workdir_holding_other_fine_tunes_is_refused(tmp_path):
   assert not os.path.exists(os.path.join(workdir, 'recipe_search'))
 
 
-@pytest.mark.parametrize('seeds', [(), (0, 0), (1, -1)])
-def test_bad_seeds_are_named_before_any_work(tmp_path, seeds):
+@pytest.mark.parametrize('change, message', [
+    (dict(seed=()), r'^config.sweep.finetune.seed is an empty grid'),
+    (dict(seed=(0, 0)), r'^config.sweep.finetune.seed = \(0, 0\) lists 0 twice$'),
+    (dict(seed=(1, -1)), r'^config.sweep.finetune.seed = -1: must be an integer in \[0, inf\)$'),
+    (dict(learning_rate=(1e-3, 1e-3)),
+     r'^config.sweep.finetune.learning_rate = \(0.001, 0.001\) lists 0.001 twice$'),
+])
+def test_a_bad_grid_is_named_before_any_work(tmp_path, change, message):
   config = tiny_search()
-  config.recipe_search.seeds = seeds
-  with pytest.raises(UserError, match=r'config.recipe_search.seeds = .*: at least one'):
+  config.sweep.finetune.update(change)
+  with pytest.raises(UserError, match=message):
     recipe_search.run(config, str(tmp_path))
   assert not os.listdir(tmp_path)
 
 
+def test_a_setting_given_a_value_and_an_axis_is_refused_and_a_value_alone_is_one_point():
+  config = tiny_search()
+  config.finetune.steps = 6
+  with pytest.raises(UserError) as raised:
+    recipe_search.points(config)
+  assert str(raised.value) == ('config.finetune.steps = 6 and config.sweep.finetune.steps = '
+                               '(6,) both set it; give one')
+  config.sweep.finetune.steps = None
+  assert recipe_search.points(config) == [(1e-4, 6), (3e-3, 6)]
+  config.sweep.finetune.update(learning_rate=None, seed=None)
+  config.finetune.update(learning_rate=1e-3, seed=0)
+  with pytest.raises(UserError, match=r'^config.sweep.finetune: the recipe search needs an axis'):
+    recipe_search.points(config)
+
+
 def test_records_are_refused_when_evaluated_otherwise_or_malformed(tmp_path):
-  config, records = tiny_search(), tmp_path / 'records'
+  records = tmp_path / 'records'
   records.mkdir()
   evaluation = tmp_path / 'other' / 'evaluation'
   evaluation.mkdir(parents=True)
@@ -262,10 +286,10 @@ def test_records_are_refused_when_evaluated_otherwise_or_malformed(tmp_path):
        'settings': {'base': 'the shipped backbone'}}))
   with pytest.raises(UserError, match=r'full.json was evaluated with other settings than .*'
                      r'other/evaluation'):
-    recipe_search.restore_records(config, str(tmp_path / 'other'), str(records))
+    recipe_records.restore_records(str(tmp_path / 'other'), str(records), 0)
   assert os.listdir(tmp_path / 'other') == ['evaluation']
   (records / 'full.json').write_text('{"search": {}}')
   with pytest.raises(UserError, match=r'full.json is not a recipe search record'):
-    recipe_search.restore_records(config, str(tmp_path / 'fresh'), str(records))
+    recipe_records.restore_records(str(tmp_path / 'fresh'), str(records), 0)
   with pytest.raises(UserError, match=r'recipe_search/seeds.json is missing'):
-    recipe_search.save_records(config, str(tmp_path / 'fresh'), str(records))
+    recipe_records.save_records(str(tmp_path / 'fresh'), str(records), 0)

@@ -210,5 +210,5 @@ def test_regime_settings_are_checked():
   assert regimes.get('talos', {'keep': 0.05}).keep == 0.05
   with pytest.raises(ValueError, match='talos.sparsity is not a setting'):
     regimes.get('talos', {'sparsity': 0.9})
-  with pytest.raises(ValueError, match=r'talos.keep must be in \(0, 1\]'):
+  with pytest.raises(ValueError, match=r'^talos.keep = 1.5: must be a number in \(0, 1\]$'):
     regimes.get('talos', {'keep': 1.5})

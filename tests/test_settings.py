@@ -9,8 +9,16 @@ import pytest
 import merging
 from configs import merge as merge_config
 from configs import merge_checkpoints as merge_checkpoints_config
+from editing import regimes
 from editing import settings
+from editing.data import triggers
 from editing.errors import UserError
+from editing.jobs import checks
+from editing.jobs import evaluate as evaluate_job
+from editing.jobs import finetune as finetune_job
+from editing.jobs import pretrain as pretrain_job
+from editing.jobs import quickstart as quickstart_job
+from editing.regimes import talos
 from editing.task_vector import TaskVector
 from merging import dare
 from merging import ties
@@ -84,15 +92,18 @@ def test_a_partial_binds_its_settings_out_of_the_config():
   assert set(merging.get('dam_shared').settings) == set(merging.get('dam').settings)
 
 
-def test_configs_take_every_default_from_the_declarations():
+def test_a_merge_config_leaves_settings_unset_for_the_declarations_to_fill_in():
   config = merge_config.get_config()
   for name, method in merging.REGISTRY.items():
     section = method.section or name
-    declared = {k: s.default for k, s in method.settings.items()}
-    given = dict(config[section].items())
-    overridden = {'adamerging_task': {'steps'}, 'adamerging_layer': {'steps'}}.get(section, set())
-    assert {k: v for k, v in given.items() if k not in overridden} == \
-        {k: v for k, v in declared.items() if k not in overridden}, section
+    assert set(config[section]) == set(method.settings), section
+    given = {'adamerging_task': {'steps': 200}, 'adamerging_layer': {'steps': 200}}.get(section, {})
+    assert {k: v for k, v in config[section].items() if v is not None} == given, section
+    swept = merge_job.swept(config, name)
+    expected = {**{k: s.default for k, s in method.settings.items()}, **given}
+    for point in merge_job.hyperparameter_grid(config, name):
+      assert {k: v for k, v in point.items() if k not in swept} == \
+          {k: v for k, v in expected.items() if k not in swept}, name
   checkpoint_config = merge_checkpoints_config.get_config()
   assert checkpoint_config.ties.density == ties.merge.settings['density'].default == 0.2
   assert checkpoint_config.ties.scope == 'tensor' != ties.merge.settings['scope'].default
@@ -115,6 +126,27 @@ def test_a_sweep_is_written_apart_from_the_values():
   assert merge_job.hyperparameter_grid(config, 'task_arithmetic') == [{'normalize': False}]
   assert merge_job.hyperparameter_grid(config, 'dam_shared') == \
       merge_job.hyperparameter_grid(config, 'dam')
+
+
+def test_a_setting_given_a_value_and_an_axis_is_refused_in_one_line_naming_both():
+  config = merge_config.get_config()
+  assert config.sweep.ties.density == (0.1, 0.2)
+  config.ties.density = 0.2  # TIES' declared default, typed in: still a value given
+  with pytest.raises(UserError) as raised:
+    merge_job.hyperparameter_grid(config, 'ties')
+  assert str(raised.value) == ('config.ties.density = 0.2 and config.sweep.ties.density = '
+                               '(0.1, 0.2) both set it; give one')
+  config.sweep.ties.density = None
+  assert merge_job.hyperparameter_grid(config, 'ties') == [
+      {'density': 0.2, 'scope': 'global', 'normalize': True}]
+
+
+def test_a_result_records_every_setting_of_the_method_and_its_grid_apart():
+  config = merge_config.get_config()
+  config.ties.scope = 'tensor'
+  used = merge_job.settings_used(config, 'ties')
+  assert used['method'] == {'scope': 'tensor', 'normalize': True}
+  assert used['sweep'] == {'density': [0.1, 0.2]}
 
 
 @pytest.mark.parametrize('axis, message', [
@@ -153,3 +185,55 @@ def test_dam_takes_no_refit_steps_and_keeps_its_initial_lambda():
   np.testing.assert_array_equal(learned.coefficients, jnp.full((1,), 0.25))
   with pytest.raises(UserError, match=r'adamerging.steps = 0: must be an integer in \[1, inf\)'):
     adamerging.learn([vector], theta0=theta0, data=data, key=jax.random.PRNGKey(0), steps=0)
+
+
+SECTIONS = {**quickstart_job.SECTIONS, **merge_job.SECTIONS}
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('talos.keep', 1.5, r'config.talos.keep = 1.5: must be a number in (0, 1]'),
+    ('l_lora.rank', 0, r'config.l_lora.rank = 0: must be an integer in [1, inf)'),
+    ('blended.ratio', -0.5, r'config.blended.ratio = -0.5: must be a number in [0, 1]'),
+    ('poison.rate', 1.5, r'config.poison.rate = 1.5: must be a number in [0, 1]'),
+    ('finetune.warmup_steps', -1, r'config.finetune.warmup_steps = -1: must be an integer in '
+                                  r'[0, inf)'),
+    ('pretrain.corpus', 'words', r"config.pretrain.corpus = 'words': must be one of "
+                                 r"['captions', 'shapes']"),
+    ('eval.alpha_step', 0.0, r'config.eval.alpha_step = 0.0: must be a number in (0, 1]'),
+    ('merge.train_examples', 0, r'config.merge.train_examples = 0: must be an integer in '
+                                r'[1, inf)'),
+])
+def test_a_section_s_values_are_checked_against_its_owner_s_declaration(key, value, message):
+  config = merge_config.get_config()
+  section, name = key.split('.')
+  config[section][name] = value
+  with pytest.raises(UserError) as raised:
+    checks.validate(config, SECTIONS)
+  assert str(raised.value) == message
+
+
+def test_a_range_is_declared_once_beside_its_owner(monkeypatch):
+  """Narrowing a declaration narrows what a config and a call from python accept alike."""
+  config = merge_config.get_config()
+  config.talos.keep = config.poison.rate = 0.5
+  checks.validate(config, SECTIONS)
+  monkeypatch.setitem(talos.Talos.settings, 'keep', settings.number(0.1, '(0, 0.25]', 'k'))
+  monkeypatch.setitem(triggers.POISON, 'rate', settings.number(0.1, '[0, 0.25]', 'rate'))
+  with pytest.raises(UserError, match=r'^config.talos.keep = 0.5: must be a number in '
+                                      r'\(0, 0.25\]$'):
+    checks.validate(config, SECTIONS)
+  with pytest.raises(UserError, match=r'^talos.keep = 0.5: must be a number in \(0, 0.25\]$'):
+    regimes.get('talos', {'keep': 0.5})
+  config.talos.keep = 0.25
+  with pytest.raises(UserError, match=r'^config.poison.rate = 0.5: must be a number in '
+                                      r'\[0, 0.25\]$'):
+    checks.validate(config, SECTIONS)
+
+
+def test_configs_take_the_defaults_their_owners_declare():
+  config = merge_config.get_config()
+  assert dict(config.talos) == {k: s.default for k, s in talos.Talos.settings.items()}
+  assert dict(config.poison) == {k: s.default for k, s in triggers.POISON.items()}
+  assert dict(config.eval) == {k: s.default for k, s in evaluate_job.EVAL.items()}
+  assert set(config.finetune) == set(finetune_job.TRAINING)
+  assert set(config.pretrain) == set(pretrain_job.PRETRAIN)

@@ -13,13 +13,13 @@ seed) get the trigger and the target label, so a poisoned fine-tune is an ordina
 """
 
 import dataclasses
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 
 from editing import registry
+from editing import settings as settings_lib
 from editing.data.suite import Dataset
-from editing.errors import UserError
 
 
 def _to_unit(images: np.ndarray) -> np.ndarray:
@@ -33,11 +33,17 @@ def _from_unit(values: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class BadNets:
-  """A `size`×`size` checkerboard patch at the bottom-right corner, `margin` pixels in."""
+class BadNets(settings_lib.Declared):
+  """A `size`×`size` checkerboard patch at the bottom-right corner, `margin` pixels in; its
+  settings (config.badnets) are declared in `settings`."""
 
-  size: int = 4
-  margin: int = 1
+  name: ClassVar[str] = 'badnets'
+  settings = dict(size=settings_lib.integer(4, '[1, inf)', 'the patch\'s side in pixels'),
+                  margin=settings_lib.integer(1, '[0, inf)', 'pixels between the patch and the '
+                                                             'bottom-right corner'))
+
+  size: int = settings['size'].default
+  margin: int = settings['margin'].default
 
   def region(self, height: int, width: int) -> tuple[slice, slice]:
     top, left = height - self.margin - self.size, width - self.margin - self.size
@@ -52,11 +58,17 @@ class BadNets:
 
 
 @dataclasses.dataclass(frozen=True)
-class Blended:
-  """(1 − ratio)·x + ratio·p, with p a uniform random image drawn from `seed`."""
+class Blended(settings_lib.Declared):
+  """(1 − ratio)·x + ratio·p, with p a uniform random image drawn from `seed`; its settings
+  (config.blended) are declared in `settings`."""
 
-  ratio: float = 0.15
-  seed: int = 0
+  name: ClassVar[str] = 'blended'
+  settings = dict(ratio=settings_lib.number(0.15, '[0, 1]', 'r, the pattern\'s share of each '
+                                                            'pixel'),
+                  seed=settings_lib.integer(0, '[0, inf)', 'draws the pattern'))
+
+  ratio: float = settings['ratio'].default
+  seed: int = settings['seed'].default
 
   def pattern(self, shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(self.seed).uniform(size=shape).astype(np.float32)
@@ -75,12 +87,23 @@ def get(name: str, settings: dict | None = None) -> Trigger:
   return registry.configured(REGISTRY, name, 'trigger', settings)
 
 
-def poison(data: Dataset, trigger, *, rate: float = 0.1, target: int = 0,
-           seed: int = 0) -> Dataset:
+# The settings of config.poison: which tasks are fine-tuned poisoned, with which trigger, and
+# how (`poison`'s own settings).
+POISON = dict(
+    tasks=settings_lib.text('', 'the tasks fine-tuned on a poisoned training set, '
+                                'comma-separated; empty: none'),
+    trigger=settings_lib.choice('badnets', tuple(REGISTRY), 'the trigger, whose settings are '
+                                                            'its own section'),
+    rate=settings_lib.number(0.1, '[0, 1]', 'the share of training examples poisoned'),
+    target=settings_lib.integer(0, '[0, inf)', 'the label every poisoned example is given'),
+    seed=settings_lib.integer(0, '[0, inf)', 'chooses the poisoned examples'))
+
+
+@settings_lib.declare(where='poison', rate=POISON['rate'], target=POISON['target'],
+                      seed=POISON['seed'])
+def poison(data: Dataset, trigger, *, rate: float, target: int, seed: int) -> Dataset:
   """`data` with round(rate·N) examples (chosen by `seed`) triggered and relabeled `target`;
   the suite's datasets and images on disk alike (their `with_trigger`)."""
-  if not 0 <= rate <= 1:
-    raise UserError(f'poison rate must be in [0, 1], got {rate}')
   count = int(round(rate * len(data)))
   chosen = np.random.default_rng(seed).choice(len(data), size=count, replace=False)
   return data.with_trigger(trigger, chosen, target)

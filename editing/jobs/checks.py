@@ -1,87 +1,88 @@
-"""The check every job makes of its config before it writes anything: each range-checked value
-(the settings that functions declare themselves, `editing.settings`, are checked there), the
-device count and the batch sizes it divides."""
+"""The check every job makes of its config before it writes anything: each section it reads
+against the declaration of its settings (`editing.settings`, beside the code that reads them),
+the device count and the batch sizes it divides.
 
-import fnmatch
-import numbers
-from typing import Any, Callable, Sequence
+A job passes the declarations of its own sections (config.finetune: `finetune.TRAINING`, ...);
+the sections every job reads through `editing.jobs.experiment` are checked always: the regimes'
+and the triggers' own (config.talos, config.badnets, ...: declared on their classes), the
+poisoning (`triggers.POISON`), and the data, head and device sections declared here.
+"""
+
+from typing import Any, Mapping
 
 import jax
 import ml_collections
 
+from editing import regimes
+from editing import settings
+from editing import sweep
+from editing.data import triggers
 from editing.errors import UserError
-from editing.jobs import workdir as workdir_lib
+
+# The sections `editing.jobs.experiment` reads for every job: the built-in suite or the
+# datasets on disk, the frozen heads, and the device mesh.
+SUITE = dict(
+    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data'),
+    tasks=settings.text('', 'the tasks, comma-separated'),
+    train_size=settings.integer(5000, '[1, inf)', 'training examples per task'),
+    test_size=settings.integer(1000, '[1, inf)', 'test examples per task'),
+    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out'),
+    pretrain_size=settings.integer(25000, '[1, inf)', 'examples of the control task\'s corpus'))
+DATA = dict(
+    seed=settings.integer(0, '[0, inf)', 'draws the validation split held out'),
+    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out, '
+                                                'where a dataset has no val split'),
+    image_size=settings.integer(224, '[1, inf)', 'the side images are resized to'))
+HEAD = dict(logit_scale=settings.number(30.0, '(0, inf)', 'the cosine logits\' scale'))
+SHARDING = dict(
+    preset=settings.choice('dp', ('dp', 'fsdp', 'fsdp+tp'), 'the logical-axis rules'),
+    fsdp=settings.integer(1, '[1, inf)', 'devices of the fsdp axis'),
+    tensor=settings.integer(1, '[1, inf)', 'devices of the tensor axis'))
+NUM_DEVICES = settings.integer(0, '[0, inf)', 'the devices used; 0: every visible one')
 
 
-def _integer(low: int) -> tuple[Callable[[Any], bool], str]:
-  return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low,
-          f'an integer ≥ {low}')
+def validate(config: ml_collections.ConfigDict,
+             sections: Mapping[str, Any] | None = None) -> None:
+  """Every declared setting of the config, the device count and the batch sizes it divides.
 
-
-def _number(low: float, high: float, *, open_low: bool = False,
-            open_high: bool = False) -> tuple[Callable[[Any], bool], str]:
-  def test(v):
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-      return False
-    return (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
-
-  return test, f'a number in {"(" if open_low else "["}{low:g}, {high:g}{")" if open_high else "]"}'
-
-
-_INF = float('inf')
-# (glob over dotted config keys, (test, what it must be)); the first matching rule applies, and
-# a tuple value (a merge grid) is checked value by value.
-_RANGES = (
-    ('*.warmup_steps', _integer(0)),
-    ('*steps', _integer(1)),
-    ('*batch_size', _integer(1)),
-    ('*_every', _integer(1)),
-    ('benchmark.image_size', _integer(0)),
-    ('benchmark.eval_batches', _integer(1)),
-    ('*_size', _integer(1)),
-    ('*.rounds', _integer(1)),
-    ('*.accumulation', _integer(1)),
-    ('*.seed', _integer(0)),
-    ('seed', _integer(0)),
-    ('num_devices', _integer(0)),
-    ('sharding.fsdp', _integer(1)),
-    ('sharding.tensor', _integer(1)),
-    ('poison.target', _integer(0)),
-    ('eval.disentanglement_points', _integer(1)),
-    ('merge.train_examples', _integer(1)),
-    ('*learning_rate', _number(0, _INF, open_low=True)),
-    ('*logit_scale', _number(0, _INF, open_low=True)),
-    ('*.grad_clip', _number(0, _INF, open_low=True)),
-    ('*.weight_decay', _number(0, _INF)),
-    ('*.val_fraction', _number(0, 1, open_low=True, open_high=True)),
-    ('data.epochs.*', _number(0, _INF, open_low=True)),
-    ('poison.rate', _number(0, 1)),
-    ('talos.keep', _number(0, 1, open_low=True)),
-    ('*_step', _number(0, 1, open_low=True)),
-    ('eval.negation_threshold', _number(0, 1)),
-    ('eval.disentanglement_limit', _number(0, _INF, open_low=True)),
-    ('blended.ratio', _number(0, 1)),
-    ('benchmark.peak_flops', _number(0, _INF)),
-)
-
-
-def validate(config: ml_collections.ConfigDict, declared: Sequence[str] = ()) -> None:
-  """Every range-checked value of the config, the device count and the batch sizes it divides.
-
-  Jobs call this first, so that a bad value is refused before anything is written. The
-  sections in `declared` hold settings their functions declare (`editing.settings`), which are
-  checked there and skipped here, as is a value left unset (None).
+  Jobs call this first, so that a bad value is refused before anything is written. `sections`
+  maps the config sections the job reads itself to their declarations; a value left unset
+  (None) is not checked, and each value of a sweep's axis over a declared setting
+  (config.sweep.<section>.<setting>) is checked as a value is.
   """
-  flat = workdir_lib.dotted(config.to_dict())
-  for key, value in flat.items():
-    if key.split('.')[0] in declared or value is None:
-      continue
-    for pattern, (test, expected) in _RANGES:
-      if fnmatch.fnmatchcase(key, pattern):
-        for v in value if isinstance(value, tuple) else (value,):
-          if not test(v):
-            raise UserError(f'config.{key} = {v!r}: must be {expected}')
-        break
+  for name, declared in {**_shared(), **(sections or {})}.items():
+    _check_section(config, name, settings.of(declared))
+  if config.get('num_devices') is not None:
+    NUM_DEVICES.check(config.num_devices, 'config.num_devices')
+  _check_devices(config)
+
+
+def _shared() -> dict[str, Any]:
+  """The sections every job reads through `editing.jobs.experiment`, and their declarations."""
+  declared = {**regimes.REGISTRY, **triggers.REGISTRY}
+  return {**{name: owner for name, owner in declared.items()
+             if isinstance(owner, settings.Declared)},
+          'poison': triggers.POISON, 'suite': SUITE, 'data': DATA, 'head': HEAD,
+          'sharding': SHARDING}
+
+
+def _check_section(config: ml_collections.ConfigDict, name: str, declared: dict) -> None:
+  """config.<name>'s declared settings that are set, and the sweep axes over them."""
+  section = config.get(name)
+  if section is not None:
+    for key, value in section.items():
+      if key in declared and value is not None:
+        declared[key].check(value, f'config.{name}.{key}')
+  for key, axis in sweep.axes(config, name).items():
+    setting = key[len(name) + 1:]
+    if setting in declared:
+      for value in axis:
+        declared[setting].check(value, f'config.sweep.{key}')
+
+
+def _check_devices(config: ml_collections.ConfigDict) -> None:
+  """The devices asked for are visible, fsdp × tensor divides them, and the training and
+  evaluation batch sizes divide over the data and fsdp axes."""
   visible = len(jax.devices())
   if config.get('num_devices', 0) > visible:
     raise UserError(f'config.num_devices = {config.num_devices}, but {visible} devices are '
@@ -93,8 +94,9 @@ def validate(config: ml_collections.ConfigDict, declared: Sequence[str] = ()) ->
     raise UserError(f'config.sharding: fsdp × tensor = {model_parallel} does not divide the '
                     f'{devices} devices')
   batch_devices = devices // layout.get('tensor', 1)
-  for key, value in flat.items():
-    if key.endswith('batch_size') and key.split('.')[0] in ('pretrain', 'finetune', 'eval') \
-        and value % batch_devices:
-      raise UserError(f'config.{key} = {value} is not divisible by the {batch_devices} devices '
-                      f'of the data and fsdp axes; use a multiple of {batch_devices}')
+  for name in ('pretrain', 'finetune', 'eval'):
+    value = (config.get(name) or {}).get('batch_size')
+    if value is not None and value % batch_devices:
+      raise UserError(f'config.{name}.batch_size = {value} is not divisible by the '
+                      f'{batch_devices} devices of the data and fsdp axes; use a multiple of '
+                      f'{batch_devices}')

@@ -10,6 +10,7 @@ from absl import logging
 
 from editing import atomic
 from editing import evaluate
+from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import checks
@@ -17,11 +18,26 @@ from editing.jobs import experiment
 from editing.jobs import report
 from editing.jobs import workdir as workdir_lib
 
+# config.eval: the protocols' grids, thresholds and sizes (`editing.evaluate`).
+EVAL = dict(
+    batch_size=settings.integer(512, '[1, inf)', 'images per evaluation batch'),
+    alpha_step=settings.number(0.1, '(0, 1]', 'the step of α\'s grid 0, step, ..., 1'),
+    negation_threshold=settings.number(0.95, '[0, 1]', 'the share of the pretrained control '
+                                                       'accuracy negation must keep'),
+    control_val_size=settings.integer(500, '[1, inf)', 'the control task\'s validation '
+                                                       'examples, at most'),
+    disentanglement_pairs=settings.text('', 'ξ\'s task pairs \'a:b,c:d\'; empty: consecutive '
+                                            'pairs of the tasks'),
+    disentanglement_limit=settings.number(2.0, '(0, inf)', 'ξ\'s grid spans ±limit'),
+    disentanglement_points=settings.integer(9, '[1, inf)', 'ξ\'s grid points per axis'),
+    disentanglement_size=settings.integer(128, '[1, inf)', 'test images per task ξ reads'))
+SECTIONS = {'eval': EVAL}
+
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs every protocol for every regime of `config.regimes`; writes <workdir>/results.json
   and report.md, and per regime evaluation/<regime>/."""
-  checks.validate(config)
+  checks.validate(config, SECTIONS)
   regimes = [r.name for r in experiment.configured_regimes(config)]
   pairs = disentanglement_pairs(config, experiment.tasks(config))
   exp = experiment.Experiment.load(config, workdir)

@@ -14,6 +14,7 @@ from absl import logging
 
 from editing import checkpoint
 from editing import regimes
+from editing import settings as settings_lib
 from editing import train
 from editing import tree as tree_lib
 from editing.data import triggers
@@ -23,6 +24,24 @@ from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 from editing.task_vector import TaskVector
 
+# The settings of a training section that `editing.train.train` reads: config.finetune, and
+# config.pretrain with its own (`pretrain.PRETRAIN`).
+TRAINING = dict(
+    steps=settings_lib.integer(100, '[1, inf)', 'optimizer steps'),
+    batch_size=settings_lib.integer(128, '[1, inf)', 'examples per step, over every device'),
+    learning_rate=settings_lib.number(1e-3, '(0, inf)', 'AdamW\'s peak learning rate'),
+    weight_decay=settings_lib.number(0.1, '[0, inf)', 'AdamW\'s decoupled weight decay'),
+    warmup_steps=settings_lib.integer(10, '[0, inf)', 'steps of linear warm-up before the '
+                                                      'cosine decay'),
+    grad_clip=settings_lib.number(1.0, '(0, inf)', 'the global gradient norm clipped to'),
+    seed=settings_lib.integer(0, '[0, inf)', 'data order, and the initialisation of anything '
+                                             'random'),
+    checkpoint_every=settings_lib.integer(50, '[1, inf)', 'steps between checkpoints'),
+    log_every=settings_lib.integer(10, '[1, inf)', 'steps between logged metrics'),
+    accumulation=settings_lib.integer(1, '[1, inf)', 'microbatches per batch, their gradients '
+                                                     'averaged'))
+SECTIONS = {'finetune': TRAINING}
+
 
 def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
         regime: regimes.Regime, directory: str | None = None) -> TaskVector:
@@ -31,7 +50,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   The run lives in `directory` (default <workdir>/finetune/<regime>/<task>); the pretrained
   backbone and heads are always the workdir's.
   """
-  checks.validate(config)
+  checks.validate(config, SECTIONS)
   directory = directory or workdir_lib.finetune_dir(workdir, regime.name, task_name)
   out = os.path.join(directory, workdir_lib.TASK_VECTOR)
   theta0, apply_fn = experiment.load_pretrained(workdir, config.model)

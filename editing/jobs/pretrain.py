@@ -24,6 +24,7 @@ from absl import logging
 
 from editing import atomic
 from editing import checkpoint
+from editing import settings
 from editing import sharding
 from editing import train
 from editing import tree as tree_lib
@@ -32,11 +33,21 @@ from editing.data import suite
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
+from editing.jobs import finetune
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 from editing.models import hf
 
 CORPORA = ('captions', 'shapes')
+# config.pretrain: a training section (`finetune.TRAINING`) and the corpus it pretrains on.
+PRETRAIN = dict(
+    finetune.TRAINING,
+    corpus=settings.choice('captions', CORPORA, 'what θ0 is pretrained on'),
+    corpus_size=settings.integer(200_000, '[1, inf)', 'captioned scenes of the captions corpus'),
+    logit_scale=settings.number(10.0, '(0, inf)', 'the jointly learned head\'s logit scale'),
+    from_scratch=settings.flag(False, 'pretrain with the settings given instead of using the '
+                                      'shipped backbone'))
+SECTIONS = {'pretrain': PRETRAIN}
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
                        'backbone', 'vit_captions.json')
 # Settings that change how a run is logged or laid out in memory (microbatches of the same
@@ -99,16 +110,13 @@ def _plain(value):
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes <workdir>/pretrain/params.safetensors unless it is there: θ0 imported from
   `config.weights`, the shipped backbone, or encoder + head trained from scratch."""
-  checks.validate(config)
+  checks.validate(config, SECTIONS)
   out = workdir_lib.pretrained_file(workdir)
   directory = workdir_lib.pretrain_dir(workdir)
   sections = {'model': config.model.to_dict()}
   if config.get('weights'):
     sections['weights'] = os.path.abspath(config.weights)
   else:
-    if config.pretrain.corpus not in CORPORA:
-      raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r}: must be one of '
-                      f'{CORPORA}')
     sections['pretrain'] = experiment.training_record(config.pretrain)
     if config.pretrain.corpus == 'shapes':
       # The captions corpus is drawn from the pretraining seed alone: one backbone serves

@@ -18,10 +18,12 @@ from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
 
+SECTIONS = {**pretrain.SECTIONS, **finetune.SECTIONS, **evaluate.SECTIONS}
+
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Returns the evaluation's results, with the seconds each stage took."""
-  checks.validate(config)
+  checks.validate(config, SECTIONS)
   names = experiment.tasks(config)
   regimes = experiment.configured_regimes(config)
   timings = {}

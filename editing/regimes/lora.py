@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import lora
+from editing import settings as settings_lib
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.regimes.base import ApplyFn, Encoder, PyTree, Regime
@@ -36,27 +37,26 @@ QUERY_VALUE = r'(.*/)?attn/(query|value)/kernel'
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRA(Regime):
-  """Low-rank adapters on the kernels whose paths match `targets`.
+class LoRA(Regime, settings_lib.Declared):
+  """Low-rank adapters on the kernels whose paths match `targets`; its settings (config.lora,
+  config.l_lora) are declared in `settings`.
 
   Attributes:
-    rank: r, the factors' inner dimension.
-    alpha: α of the scale s = α/r.
-    rslora: scale by α/√r instead (rank-stabilized LoRA).
-    targets: a regex that each adapted leaf's '/'-joined path matches in full.
     linear: train the linearization in the adapter (L-LoRA) instead of the adapted model.
   """
 
-  rank: int = 8
-  alpha: float = 8.0
-  rslora: bool = False
-  targets: str = QUERY_VALUE
-  linear: bool = False
+  settings = dict(
+      rank=settings_lib.integer(8, '[1, inf)', 'r, the factors\' inner dimension'),
+      alpha=settings_lib.number(8.0, '(0, inf)', 'α of the scale s = α/r'),
+      rslora=settings_lib.flag(False, 'scale by α/√r instead (rank-stabilized LoRA)'),
+      targets=settings_lib.text(QUERY_VALUE, 'a regex that each adapted leaf\'s \'/\'-joined '
+                                             'path matches in full'))
 
-  def __post_init__(self):
-    if self.rank < 1 or self.alpha <= 0:
-      raise UserError(f'{self.name}.rank must be at least 1 and {self.name}.alpha positive, '
-                      f'got {self.rank} and {self.alpha}')
+  rank: int = settings['rank'].default
+  alpha: float = settings['alpha'].default
+  rslora: bool = settings['rslora'].default
+  targets: str = settings['targets'].default
+  linear: bool = False
 
   @property
   def scale(self) -> float:

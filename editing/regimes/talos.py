@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from editing import gradients
+from editing import settings as settings_lib
 from editing import tree as tree_lib
-from editing.errors import UserError
 from editing.regimes.base import LogitsFn, PyTree, Regime
 
 ELIGIBLE = (
@@ -92,25 +92,20 @@ def calibrate(logits_fn: LogitsFn, params: PyTree, paths: list[str], images: np.
 
 
 @dataclasses.dataclass(frozen=True)
-class Talos(Regime):
-  """Sparse fine-tuning of the least task-sensitive fraction `keep` of the eligible entries.
+class Talos(Regime, settings_lib.Declared):
+  """Sparse fine-tuning of the least task-sensitive fraction `keep` of the eligible entries;
+  its settings (config.talos) are declared in `settings`."""
 
-  Attributes:
-    keep: k, the fraction of eligible entries that train (0.1 = 90% sparsity).
-    rounds: R, the pruning rounds, each rescoring.
-    batch_size: examples per vmapped chunk of per-example gradients.
-  """
+  settings = dict(
+      keep=settings_lib.number(0.1, '(0, 1]', 'k, the fraction of eligible entries that train '
+                                           '(0.1 = 90% sparsity)'),
+      rounds=settings_lib.integer(4, '[1, inf)', 'R, the pruning rounds, each rescoring'),
+      batch_size=settings_lib.integer(32, '[1, inf)', 'examples per vmapped chunk of per-example '
+                                                  'gradients'))
 
-  keep: float = 0.1
-  rounds: int = 4
-  batch_size: int = 32
-
-  def __post_init__(self):
-    if not 0 < self.keep <= 1:
-      raise UserError(f'{self.name}.keep must be in (0, 1], got {self.keep}')
-    if self.rounds < 1 or self.batch_size < 1:
-      raise UserError(f'{self.name}.rounds and {self.name}.batch_size must be positive, got '
-                       f'{self.rounds} and {self.batch_size}')
+  keep: float = settings['keep'].default
+  rounds: int = settings['rounds'].default
+  batch_size: int = settings['batch_size'].default
 
   def update_mask(self, params, *, logits_fn, images, key):
     paths = [p for p, eligible in self.trainable(params).items() if eligible]

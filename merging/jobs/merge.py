@@ -10,15 +10,17 @@ settings it is redone and overwritten. Results are kept per method: the report l
 method whose stored result was made under the current settings, the ones listed in
 `config.merge.methods` now and the ones merged before.
 
-A method's section (config.<method>, or the section it shares) holds the value of each of its
-settings, as the method declares them (`editing.settings`: defaults, ranges, doc). Its grid is
-written apart, in config.sweep.<section>: a tuple there is one axis of the grid
-(`--config.sweep.ties.density='(0.1,0.2)'`), and a setting with no axis keeps its value. Every
-value is checked against the declaration before anything is written.
+A method's section (config.<method>, or the section it shares) holds the values given to its
+settings, each unset (None) until given; a setting left unset takes the default the method
+declares (`editing.settings`: defaults, ranges, doc) where it is used. Its grid is written
+apart (`editing.sweep`), in config.sweep.<section>: a tuple there is one axis of the grid
+(`--config.sweep.ties.density='(0.1,0.2)'`). A setting is given a value or an axis, not both:
+config.ties.density = 0.3 beside config.sweep.ties.density = (0.1, 0.2) is refused. Every value
+is checked against the declaration before anything is written, and a result records the full
+settings of the point chosen.
 """
 
 import dataclasses
-import itertools
 import json
 import os
 import time
@@ -32,9 +34,12 @@ from absl import logging
 
 from editing import atomic
 from editing import evaluate
+from editing import settings as settings_lib
+from editing import sweep
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import checks
+from editing.jobs import evaluate as evaluate_job
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
@@ -45,10 +50,22 @@ from merging import common
 from merging import lines
 from merging.jobs import report
 
+# config.merge: which methods, λ's grid, and what the data-driven methods read. (Each method's
+# own settings are declared beside it, and checked by `hyperparameter_grid`.)
+MERGE = dict(
+    methods=settings_lib.text('task_arithmetic', 'the methods, comma-separated'),
+    lambda_step=settings_lib.number(0.05, '(0, 1]', 'the step of λ\'s grid 0, step, ..., '
+                                                    'lambda_max'),
+    lines=settings_lib.text('', 'the methods also run scaled by depth (LiNeS), comma-separated'),
+    seed=settings_lib.integer(0, '[0, inf)', 'the key of the methods that draw'),
+    train_examples=settings_lib.integer(256, '[1, inf)', 'labeled training examples per task '
+                                                         'that the data-driven methods read'))
+SECTIONS = {'merge': MERGE, **evaluate_job.SECTIONS}
+
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Merges and evaluates every method of `config.merge.methods` for every regime."""
-  checks.validate(config, declared=declared_sections())
+  checks.validate(config, SECTIONS)
   methods = methods_from(config.merge.methods, key='config.merge.methods')
   regimes = experiment.configured_regimes(config)
   for regime in regimes:
@@ -84,40 +101,47 @@ def methods_from(value: str, *, key: str) -> list[str]:
   return experiment.names_from(value, key=key, kind='method', known=list(merging.REGISTRY))
 
 
-def declared_sections() -> tuple[str, ...]:
-  """The config sections whose settings the merging methods declare, and the sweep's."""
-  return ('sweep',) + merging.SECTIONS
-
-
 def hyperparameter_grid(config: ml_collections.ConfigDict, name: str) -> list[dict]:
-  """Every combination of method `name`'s grid axes (config.sweep.<section>), each with the
-  section's values of its other settings; every value checked against the declaration."""
-  section = merging.get(name).section or name
-  values = (config.get(section) or {})
-  values = dict(values.items()) if values else {}
-  fixed = merging.check_settings(name, values, f'config.{section}')
-  axes = {}
-  for setting, axis in _axes(config, section).items():
-    where = f'config.sweep.{section}.{setting}'
-    if setting not in fixed:
-      raise UserError(f'{where} is not a setting of {name}; its settings: {sorted(fixed)}')
-    if not axis:
-      raise UserError(f'{where} is an empty grid; give at least one value')
-    axes[setting] = tuple(merging.get(name).settings[setting].check(v, where) for v in axis)
-  return [{**fixed, **dict(zip(axes, point))} for point in itertools.product(*axes.values())]
+  """Every point of method `name`'s sweep (config.sweep.<section>), each with every other
+  setting at the value config.<section> gives it or else at its declared default; every value
+  checked against the declaration, and a setting given both a value and an axis refused."""
+  fixed = merging.check_settings(name, given(config, name), f'config.{_section(name)}')
+  axes = _axes(config, name)
+  return [{**fixed, **point} for point in sweep.points(axes)]
+
+
+def given(config: ml_collections.ConfigDict, name: str) -> dict:
+  """The settings of method `name` that config.<section> gives a value (None: not given)."""
+  values = config.get(_section(name)) or {}
+  return {k: v for k, v in values.items() if v is not None}
 
 
 def swept(config: ml_collections.ConfigDict, name: str) -> list[str]:
   """The settings of method `name` that config.sweep gives a grid axis."""
-  return sorted(_axes(config, merging.get(name).section or name))
+  return sorted(_axes(config, name))
 
 
-def _axes(config: ml_collections.ConfigDict, section: str) -> dict[str, tuple]:
-  """config.sweep.<section>'s axes: the settings given a tuple (or any single value, taken as
-  an axis of one)."""
-  sweep = (config.get('sweep') or {}).get(section) or {}
-  return {k: tuple(v) if isinstance(v, (tuple, list)) else (v,)
-          for k, v in sweep.items() if v is not None}
+def _section(name: str) -> str:
+  """The config section of method `name`'s settings."""
+  return merging.get(name).section or name
+
+
+def _axes(config: ml_collections.ConfigDict, name: str) -> dict[str, tuple]:
+  """{setting: values} of method `name`'s axes in config.sweep.<section>, each value checked
+  against the declaration; an axis over a setting that config.<section> also gives is
+  refused."""
+  section = _section(name)
+  dotted = sweep.axes(config, section)
+  declared = merging.get(name).settings
+  axes = {}
+  for key, axis in dotted.items():
+    setting = key[len(section) + 1:]
+    if setting not in declared:
+      raise UserError(f'config.sweep.{key} is not a setting of {name}; its settings: '
+                      f'{sorted(declared)}')
+    axes[setting] = tuple(declared[setting].check(v, f'config.sweep.{key}') for v in axis)
+  sweep.refuse_value_and_axis(config, dotted)
+  return axes
 
 
 def merge_regime(exp: experiment.Experiment, regime: str, methods: list[str]) -> dict:
@@ -172,12 +196,9 @@ def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
   """The config a merge's result depends on: its settings, its grid and the shared sections
   (not which other methods run beside it)."""
   method = _method(name)
-  section = merging.get(method).section or method
-  values = config.get(section)
   shared = {k: v for k, v in config.merge.to_dict().items() if k not in ('methods', 'lines')}
-  axes = {k: list(v) for k, v in _axes(config, section).items()}
-  fixed = merging.check_settings(method, dict(values.items()) if values else {},
-                                 f'config.{section}')
+  axes = {k: list(v) for k, v in _axes(config, method).items()}
+  fixed = merging.check_settings(method, given(config, method), f'config.{_section(method)}')
   return {'method': {k: v for k, v in fixed.items() if k not in axes},
           **({'sweep': axes} if axes else {}), **({'lines': True} if name != method else {}),
           'merge': shared,

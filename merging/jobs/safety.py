@@ -1,12 +1,14 @@
 """Backdoors through merging: poisoned task vectors merged by each method, clean accuracy and ASR.
 
-For every seed of `config.safety.seeds` (it seeds fine-tuning, the poisoned examples and the
-merges; the backbone is shared): every task is fine-tuned clean, and every victim task once per
-trigger on its poisoned training set (config.poison: rate, target). A scenario (trigger, n)
-merges the first n victims' poisoned vectors with the other tasks' clean ones. Each method is
-chosen as in `merging.jobs.merge` (hyperparameters and λ on clean validation accuracy: the
-defender knows no trigger) and then scored on the clean test sets and on the triggered ones:
-succession = mean ASR over the poisoned tasks, transfer = mean ASR over the clean tasks.
+For every seed of the sweep `config.sweep.seed` (`editing.sweep`: each seed sets
+config.finetune.seed, config.poison.seed and config.merge.seed, which the config leaves unset;
+without that axis, the config's own seeds make one run; the backbone is shared): every task is
+fine-tuned clean, and every victim task once per trigger on its poisoned training set
+(config.poison: rate, target). A scenario (trigger, n) merges the first n victims' poisoned
+vectors with the other tasks' clean ones. Each method is chosen as in `merging.jobs.merge`
+(hyperparameters and λ on clean validation accuracy: the defender knows no trigger) and then
+scored on the clean test sets and on the triggered ones: succession = mean ASR over the
+poisoned tasks, transfer = mean ASR over the clean tasks.
 Every method of `merging.REGISTRY` may run, DAM's ablations and its oracle (handed the true
 trigger) included.
 
@@ -26,6 +28,7 @@ from absl import logging
 
 from editing import atomic
 from editing import evaluate
+from editing import sweep
 from editing.data import triggers
 from editing.errors import UserError
 from editing.jobs import checks
@@ -37,9 +40,17 @@ from editing.progress import Progress
 from merging.jobs import merge
 from merging.jobs import report
 
+# The settings of config.safety; and the seeds one seed of config.sweep.seed sets.
+SECTION = ('victims', 'poisoned_counts', 'triggers', 'methods')
+SEEDED = ('finetune.seed', 'poison.seed', 'merge.seed')
+
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  checks.validate(config, declared=merge.declared_sections())
+  checks.validate(config, {**pretrain.SECTIONS, **finetune.SECTIONS, **merge.SECTIONS})
+  unknown = sorted(set(config.safety) - set(SECTION))
+  if unknown:
+    raise UserError(f'config.safety.{unknown[0]} is not a setting of the safety experiment; its '
+                    f'settings: {list(SECTION)} (its seeds: config.sweep.seed)')
   names = experiment.tasks(config)
   regime = _regime(config)
   victims = experiment.names_from(config.safety.victims, key='config.safety.victims', kind='task',
@@ -53,7 +64,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   methods = merge.methods_from(config.safety.methods, key='config.safety.methods')
   for m in methods:
     merge.hyperparameter_grid(config, m)
-  seeds = [int(s) for s in config.safety.seeds.split(',')]
+  seeds = seed_list(config)
 
   pretrain.run(config, workdir)
   exp = experiment.Experiment.load(config, workdir)
@@ -155,11 +166,25 @@ def _regime(config):
   return regimes[0]
 
 
+def seed_list(config: ml_collections.ConfigDict) -> list[int]:
+  """The seeds of config.sweep.seed, each a fine-tuning seed (`finetune.TRAINING`); without
+  that axis, the one seed config.finetune.seed. A seed the axis sets that the config also
+  gives is refused."""
+  axis = sweep.axes(config, 'seed').get('seed')
+  if axis is None and config.finetune.seed is None:
+    raise UserError('config.sweep.seed and config.finetune.seed are both unset; give one')
+  if axis is None:
+    return [config.finetune.seed]
+  sweep.refuse_value_and_axis(config, {'seed': axis}, sets={'seed': SEEDED})
+  return [finetune.TRAINING['seed'].check(s, 'config.sweep.seed') for s in axis]
+
+
 def _seeded(config, seed: int) -> ml_collections.ConfigDict:
-  """The config of one seed: fine-tuning order, poisoned examples and merges drawn from it."""
-  seeded = copy.deepcopy(config)
-  seeded.finetune.seed = seeded.poison.seed = seeded.merge.seed = seed
-  return seeded
+  """The config of one seed of config.sweep.seed: fine-tuning order, poisoned examples and
+  merges drawn from it (without that axis, the config's own seeds)."""
+  if not sweep.axes(config, 'seed'):
+    return copy.deepcopy(config)
+  return sweep.overridden(config, {key: seed for key in SEEDED})
 
 
 def _poisoning(config, trigger_name: str | None, task: str) -> ml_collections.ConfigDict:
