@@ -4,13 +4,18 @@ Finished artefacts (pretrained params, task vectors) are single safetensors file
 leaves' '/'-joined paths, with JSON metadata, written atomically (`editing.safetensors_io`).
 Training state goes through an orbax CheckpointManager.
 
+A full disk met while orbax writes, in its own threads or not, is one `UserError` naming the
+directory (`disk_full_named`).
+
 Every load checks what it reads: a pickle is refused unread, a truncated or corrupt file is
 named with the reason, and a non-finite value is named by its file and leaf path.
 """
 
+import contextlib
+import errno
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -23,6 +28,7 @@ from editing.lora import LowRank
 from editing.task_vector import TaskVector
 
 _META_KEY = 'editmerge'
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, an exceeded quota
 
 
 def save_tree(path: str, tree: Any, metadata: dict | None = None) -> None:
@@ -93,3 +99,40 @@ def restore_latest(mngr: ocp.CheckpointManager, like: Any) -> Any | None:
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
   return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error`, or any error it was raised from or while handling, is a full disk or an
+  exceeded quota: orbax's threads hand their errors to the main thread wrapped."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _FULL:
+      return True
+    # tensorstore, which writes orbax's arrays, raises a ValueError quoting the OS's words.
+    if any(os.strerror(code) in str(error) for code in _FULL):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+@contextlib.contextmanager
+def disk_full_named(directory: str) -> Iterator[None]:
+  """Raises a full disk met inside the block as one UserError naming `directory`.
+
+  What was saved before is kept: orbax writes each step into a temporary directory that it
+  renames only once complete, so a rerun resumes from the last complete step.
+  """
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    if not is_disk_full(e):
+      raise
+    raise disk_full_error(directory) from None
+
+
+def disk_full_error(directory: str) -> UserError:
+  """The error of a full disk under `directory`, saying what to do."""
+  return UserError(f'{directory}: no space is left on its file system (or the disk quota is '
+                   'exceeded); free space and rerun: finished work is kept, and the run resumes '
+                   'from its last saved step')

@@ -8,6 +8,7 @@ killed anywhere and restarted finishes with bit-identical params, SIGTERM handli
 loss check, progress on the console, and metrics as JSONL and TensorBoard events.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -87,13 +88,15 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 class _Preemption:
-  """Whether to checkpoint and stop after a step: a SIGTERM (a preemption notice) to any
-  process, answered alike on every process.
+  """Whether to checkpoint and stop: a SIGTERM (a preemption notice) to any process, answered
+  alike on every process.
 
   The save is collective, so the processes must agree on the step. With one process a SIGTERM
-  handler notes the notice. With several, JAX's preemption sync manager, started with
-  `jax.distributed` (its own SIGTERM handler, left in place), passes one process's notice to
-  all and picks a step every process can still reach (orbax's `reached_preemption`, as in
+  handler notes the notice, and a notice is never dropped: one that comes after the last
+  step's check (while that step's losses are read or its state saved) still stops the run,
+  once that state is saved (`noticed`). With several, JAX's preemption sync manager, started
+  with `jax.distributed` (its own SIGTERM handler, left in place), passes one process's notice
+  to all and picks a step every process can still reach (orbax's `reached_preemption`, as in
   MaxText); it must be asked at every step. It is off if `jax_enable_preemption_service` is,
   and then a SIGTERM ends the process unsaved.
   """
@@ -102,6 +105,7 @@ class _Preemption:
     self._mngr = mngr
     self._alone = jax.process_count() == 1
     self._raised = False
+    self._reached = False
     self._previous = None
 
   def __enter__(self):
@@ -115,9 +119,14 @@ class _Preemption:
 
   def reached(self, step: int) -> bool:
     """Whether to save `step` and stop; call it once per step, on every process."""
-    if self._alone:
-      return self._raised
-    return self._mngr.reached_preemption(step)
+    self._reached = self._raised if self._alone else self._mngr.reached_preemption(step)
+    return self._reached
+
+  @property
+  def noticed(self) -> bool:
+    """Whether to stop once the loop is over and its last state saved: a notice came at any
+    time so far (one process), or the processes reached the step they agreed on."""
+    return self._raised if self._alone else self._reached
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -294,7 +303,9 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
     The full params tree after `config.steps` steps (frozen leaves are the inputs, untouched).
 
   Raises:
-    Preempted: a SIGTERM reached any process; every process saved the same step first.
+    Preempted: a SIGTERM reached any process while it trained; every process saved the same
+      step first. A notice after the last step's check stops the run too, once the last
+      step is saved: no notice is dropped.
     FloatingPointError: a step's loss was not finite; the message names the first such step.
       Losses are read from the device only at the steps that log (every `log_every`) or save
       (a checkpoint, the last step), so that the steps between are dispatched without
@@ -305,53 +316,59 @@ def train(config: ml_collections.ConfigDict, *, loss_fn: LossFn, params: PyTree,
       config, loss_fn=loss_fn, params=params, trainable=trainable, consts=consts, mesh=mesh,
       sharding_rules=sharding_rules, update_mask=update_mask)
   os.makedirs(workdir, exist_ok=True)
-  mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'),
-                            save_every=config.checkpoint_every)
-  restored = checkpoint.restore_latest(mngr, state)
-  if restored is not None:
-    state = restored
-    logging.info('resumed from step %d in %s', int(state.step), workdir)
-  start = int(state.step)
-  writer = _MetricWriter(workdir, start)
-  timer = (time.time(), start)
-  # The next batch is read (and, for real images, decoded) in a thread while the device runs
-  # the current step; its indices are a pure function of the step, so the order is unchanged.
-  # Each process reads only the rows its devices hold (all of them on a single host).
-  read = lambda step: distributed.global_batch(
-      data.batch, batch_indices(len(data), config.batch_size, step, config.seed), batch)
-  try:
-    with _Preemption(mngr) as preemption, futures.ThreadPoolExecutor(1) as reader:
-      upcoming = reader.submit(read, start) if start < config.steps else None
-      unchecked = []  # the losses of the steps since the last check, on the device
-      for step in range(start, config.steps):
-        images, labels = upcoming.result()
-        if step + 1 < config.steps:
-          upcoming = reader.submit(read, step + 1)
-        state, metrics = step_jit(state, inputs, images, labels)
-        done = step + 1
-        unchecked.append(metrics['loss'])
-        preempted = preemption.reached(done)
-        save = done == config.steps or preempted or mngr.should_save(done)
-        log = done % config.log_every == 0 or done == config.steps
-        # Losses are read from the device only where the loop waits for it anyway (a save, a
-        # log line), so the steps between are dispatched without waiting; before any save, so
-        # that no checkpoint ever holds a diverged state.
-        if save or log:
-          _check_finite(jax.device_get(unchecked), done, workdir)
-          unchecked = []
-        if save:
-          mngr.save(done, args=checkpoint.ocp.args.StandardSave(state), force=True)
-        if log:
-          metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-          timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
-          writer.write(done, metrics)
-        if preempted:
-          mngr.wait_until_finished()
-          raise Preempted(f'SIGTERM: saved step {done} in {workdir}; rerun to resume')
-  finally:
+  # Left in reverse order, each exit run even if one before fails: the reader stops, the
+  # last save finishes under the SIGTERM handler (a notice at any moment stops the run with
+  # a saved state), the files close, and a full disk met anywhere is one line.
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(checkpoint.disk_full_named(workdir))
+    mngr = checkpoint.manager(os.path.join(workdir, 'checkpoints'),
+                              save_every=config.checkpoint_every)
+    stack.callback(mngr.close)
+    restored = checkpoint.restore_latest(mngr, state)
+    if restored is not None:
+      state = restored
+      logging.info('resumed from step %d in %s', int(state.step), workdir)
+    start = done = int(state.step)
+    writer = _MetricWriter(workdir, start)
+    stack.callback(writer.close)
+    preemption = stack.enter_context(_Preemption(mngr))
+    stack.callback(mngr.wait_until_finished)
+    reader = stack.enter_context(futures.ThreadPoolExecutor(1))
+    timer = (time.time(), start)
+    # The next batch is read (and, for real images, decoded) in a thread while the device
+    # runs the current step; its indices are a pure function of the step, so the order is
+    # unchanged. Each process reads only the rows its devices hold (all on a single host).
+    read = lambda step: distributed.global_batch(
+        data.batch, batch_indices(len(data), config.batch_size, step, config.seed), batch)
+    upcoming = reader.submit(read, start) if start < config.steps else None
+    unchecked = []  # the losses of the steps since the last check, on the device
+    for step in range(start, config.steps):
+      images, labels = upcoming.result()
+      if step + 1 < config.steps:
+        upcoming = reader.submit(read, step + 1)
+      state, metrics = step_jit(state, inputs, images, labels)
+      done = step + 1
+      unchecked.append(metrics['loss'])
+      preempted = preemption.reached(done)
+      save = done == config.steps or preempted or mngr.should_save(done)
+      log = done % config.log_every == 0 or done == config.steps
+      # Losses are read from the device only where the loop waits for it anyway (a save, a
+      # log line), so the steps between are dispatched without waiting; before any save, so
+      # that no checkpoint ever holds a diverged state.
+      if save or log:
+        _check_finite(jax.device_get(unchecked), done, workdir)
+        unchecked = []
+      if save:
+        mngr.save(done, args=checkpoint.ocp.args.StandardSave(state), force=True)
+      if log:
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        timer = _log_progress(done, config.steps, config.batch_size, metrics, timer)
+        writer.write(done, metrics)
+      if preempted:
+        break
     mngr.wait_until_finished()
-    mngr.close()
-    writer.close()
+    if preemption.noticed:
+      raise Preempted(f'SIGTERM: saved step {done} in {workdir}; rerun to resume')
   return tree_lib.unflatten(distributed.to_host({**state.params, **inputs.frozen}))
 
 

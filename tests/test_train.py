@@ -156,6 +156,16 @@ def tiny_problem():
   return params, data, loss_fn
 
 
+def train_tiny_problem(workdir, steps=6):
+  """The params of a run of `tiny_problem` in `workdir` (resumed if it holds one), saved
+  every 2 steps."""
+  params, data, loss_fn = tiny_problem()
+  config = quickstart.training(steps=steps, batch_size=16, checkpoint_every=2, log_every=2)
+  return train.train(config, loss_fn=loss_fn, params=params,
+                     trainable={'w': True, 'b': True, 'frozen/v': False}, consts={}, data=data,
+                     workdir=str(workdir), mesh=sharding.make_mesh(1))
+
+
 def test_frozen_leaves_stay_bit_identical_and_get_no_optimizer_state(tmp_path, monkeypatch):
   params, data, loss_fn = tiny_problem()
   seen_state = []

@@ -3,12 +3,12 @@
 `--multihost` (or the coordinator flags) makes the job one process of a multi-process run
 (`editing.distributed`). Flags are defined when a main calls `run`, never on import, so
 importing any job module (from a notebook, a test or another job) defines none. The job holds
-the lock of its workdir (`editing.jobs.lock`) while it runs: a second job on the same workdir
+the lock of its workdir (`editing.lock`) while it runs: a second job on the same workdir
 is refused at once.
 
 One error path: bad input (a config override that names no key or has the wrong type, a
-`UserError`, a missing file, a path the job cannot write, a diverged run) ends the job with one
-line on stderr and exit status 1. A SIGTERM ends it with one line and status 143, as
+`UserError`, a missing file, a path the job cannot write, a full disk, a diverged run) ends the
+job with one line on stderr and exit status 1. A SIGTERM ends it with one line and status 143, as
 orchestrators expect: in training, once the step is saved (`editing.train.Preempted`), its line
 says which and how to resume. Any other exception is a bug and keeps its traceback.
 """
@@ -27,10 +27,11 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from editing import checkpoint
 from editing import distributed
+from editing import lock
 from editing import train
 from editing.errors import UserError
-from editing.jobs import lock
 
 DEFAULT_WORKDIR = os.path.join('workdir', 'quickstart')
 Job = Callable[[ml_collections.ConfigDict, str], Any]
@@ -79,9 +80,8 @@ def run(job: Job, default_config: types.ModuleType, *, locks_workdir: bool = Tru
   def main(argv):
     if len(argv) > 1:
       raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    # Orbax's per-save INFO lines are kept off the console; its warnings and errors still show.
-    logging.get_absl_handler().addFilter(
-        lambda record: record.levelno >= std_logging.WARNING or 'orbax' not in record.pathname)
+    logging.get_absl_handler().addFilter(_shown)
+    sys.unraisablehook = _unraisable
     signal.signal(signal.SIGTERM, _terminate)
     try:
       if multihost.value or coordinator.value or num_processes.value is not None:
@@ -102,14 +102,52 @@ def run(job: Job, default_config: types.ModuleType, *, locks_workdir: bool = Tru
       print('error: stopped by SIGTERM; finished work is kept, and the same command goes on '
             'from it', file=sys.stderr)
       sys.exit(SIGTERM_STATUS)
-    except (UserError, FileNotFoundError, FloatingPointError) as e:
-      sys.exit(f'error: {e}')
-    except OSError as e:
-      if e.errno not in _PATH_ADVICE:
+    except Exception as e:  # pylint: disable=broad-except
+      line = _error_line(e, workdir.value)
+      if line is None:
         raise
-      sys.exit(f'error: {e.filename or "a path"}: {e.strerror}; {_PATH_ADVICE[e.errno]}')
+      sys.exit(line)
 
   app.run(main, flags_parser=_parse_flags)
+
+
+def _error_line(e: Exception, workdir: str) -> str | None:
+  """The one line that ends a job on `e`, or None for a bug (which keeps its traceback).
+
+  An OSError on a path names the path; a full disk met where no path is known (wrapped by
+  orbax's or tensorstore's threads) names the workdir.
+  """
+  if isinstance(e, (UserError, FileNotFoundError, FloatingPointError)):
+    return f'error: {e}'
+  if isinstance(e, OSError) and e.filename and e.errno in _PATH_ADVICE:
+    return f'error: {e.filename}: {e.strerror}; {_PATH_ADVICE[e.errno]}'
+  if checkpoint.is_disk_full(e):
+    return f'error: {checkpoint.disk_full_error(workdir)}'
+  if isinstance(e, OSError) and e.errno in _PATH_ADVICE:
+    return f'error: a path: {e.strerror}; {_PATH_ADVICE[e.errno]}'
+  return None
+
+
+def _shown(record: std_logging.LogRecord) -> bool:
+  """Whether a log record reaches the console. Orbax's per-save INFO lines do not, nor the
+  tracebacks of a failure in its threads (logged there, and by asyncio of its abandoned
+  tasks): the main thread gets the same error and the job reports it once. Its other warnings
+  and errors do."""
+  about_orbax = 'orbax' in record.pathname or (record.name == 'asyncio' and
+                                               'orbax' in record.getMessage())
+  if not about_orbax:
+    return True
+  return record.levelno >= std_logging.WARNING and not record.exc_info
+
+
+def _unraisable(unraisable) -> None:
+  """Drops what a failed save leaves behind once the job has reported it: the 'Event loop is
+  closed' errors of tensorstore's callbacks after orbax closed that save's event loop, and a
+  full disk met again by writers closing at exit. Shows the others."""
+  error = unraisable.exc_value
+  if not ((isinstance(error, RuntimeError) and str(error) == 'Event loop is closed') or
+          checkpoint.is_disk_full(error)):
+    sys.__unraisablehook__(unraisable)
 
 
 def _terminate(signum, frame) -> None:

@@ -203,32 +203,6 @@ def precision_settings(config: ml_collections.ConfigDict) -> dict:
   return {} if dtype == 'float32' else {'compute_dtype': dtype}
 
 
-def load_task_vectors(workdir: str, regime: str, tasks: Sequence[str],
-                      theta0: Any) -> list[TaskVector]:
-  """The regime's saved task vectors of `tasks`, each checked against the θ0 in use.
-
-  A vector must exist, be finite, match θ0's tree and carry θ0's fingerprint as its base:
-  a vector fine-tuned from another backbone is refused, naming its file.
-  """
-  paths = [workdir_lib.task_vector_file(workdir, regime, t) for t in tasks]
-  missing = [t for t, path in zip(tasks, paths) if not os.path.exists(path)]
-  if missing:
-    raise FileNotFoundError(f'no {regime} task vector for {missing} in {workdir}; run '
-                            'launch.finetune (or launch.quickstart) with this --workdir and '
-                            'regime first')
-  base = tree_lib.fingerprint(theta0)
-  vectors = []
-  for path in paths:
-    vector, _ = checkpoint.load_task_vector(path)
-    if vector.base != base:
-      raise UserError(f'{path} was fine-tuned from the backbone with fingerprint {vector.base}, '
-                      f'but the θ0 in {workdir_lib.pretrained_file(workdir)} has {base}; '
-                      'fine-tune again from this θ0')
-    vector.check_fits(theta0, path)
-    vectors.append(vector)
-  return vectors
-
-
 def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> evaluate.Evaluator:
   return evaluate.Evaluator(regimes.get(regime_name).encoder(apply_fn),
                             mesh=mesh(config), batch_size=config.eval.batch_size,
@@ -320,12 +294,38 @@ class Experiment:
     """{task: its frozen head} of `names` (default: the downstream tasks)."""
     return {t: self.head(t) for t in (self.tasks if names is None else names)}
 
+  @functools.cached_property
+  def base(self) -> str:
+    """θ0's fingerprint, which every task vector of the experiment carries as its base."""
+    return tree_lib.fingerprint(self.theta0)
+
   def vectors(self, regime_name: str) -> dict[str, TaskVector]:
     """{task: its task vector} of one regime, each checked against θ0, loaded once."""
     if regime_name not in self._vectors:
-      self._vectors[regime_name] = dict(zip(self.tasks, load_task_vectors(
-          self.workdir, regime_name, self.tasks, self.theta0)))
+      self._vectors[regime_name] = self._load_vectors(regime_name)
     return self._vectors[regime_name]
+
+  def _load_vectors(self, regime_name: str) -> dict[str, TaskVector]:
+    """The regime's saved task vectors. A vector must exist, be finite, match θ0's tree and
+    carry θ0's fingerprint as its base: one fine-tuned from another backbone is refused,
+    naming its file."""
+    paths = {t: workdir_lib.task_vector_file(self.workdir, regime_name, t) for t in self.tasks}
+    missing = [t for t, path in paths.items() if not os.path.exists(path)]
+    if missing:
+      raise FileNotFoundError(f'no {regime_name} task vector for {missing} in {self.workdir}; '
+                              'run launch.finetune (or launch.quickstart) with this --workdir '
+                              'and regime first')
+    vectors = {}
+    for task, path in paths.items():
+      vector, _ = checkpoint.load_task_vector(path)
+      if vector.base != self.base:
+        raise UserError(f'{path} was fine-tuned from the backbone with fingerprint '
+                        f'{vector.base}, but the θ0 in '
+                        f'{workdir_lib.pretrained_file(self.workdir)} has {self.base}; '
+                        'fine-tune again from this θ0')
+      vector.check_fits(self.theta0, path)
+      vectors[task] = vector
+    return vectors
 
   def evaluator(self, regime_name: str) -> evaluate.Evaluator:
     """The evaluator of one regime's edits."""

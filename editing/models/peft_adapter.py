@@ -10,7 +10,8 @@ gives the same bytes.
 
 Refused, each by name: a pickled adapter (adapter_model.bin), another PEFT type, DoRA
 (use_dora), LoRA biases (lora_bias), fan_in_fan_out, embedding LoRA, `modules_to_save` (whole
-modules the task vector would have to hold densely), a module the family's key map does not
+modules the task vector would have to hold densely), factors of a module its `target_modules`
+do not match (PEFT would not load them), a module the family's key map does not
 know or lays out in parts, factors whose shapes do not fit the base, and an adapter written here
 for another base (its fingerprint, in the file's metadata).
 
@@ -38,6 +39,7 @@ from editing.task_vector import TaskVector
 ADAPTER = 'adapter_model.safetensors'
 CONFIG = 'adapter_config.json'
 PT_METADATA = {'format': 'pt'}
+ALL_LINEAR = 'all-linear'  # PEFT's target_modules for every linear layer
 _BASE_KEY = 'editmerge_base'
 _LAYOUTS = ('linear', 'heads_in', 'heads_out')  # those whose ΔK is (B A)ᵀ reshaped
 _REFUSED = (('use_dora', 'DoRA'), ('lora_bias', 'LoRA biases'),
@@ -69,6 +71,37 @@ def _pattern(patterns: dict, module: str):
     if re.match(rf'(.*\.)?({key})$', module):
       return value
   return None
+
+
+def _matches(spec, module: str) -> bool:
+  """PEFT's match of a module name: a string is a regex the whole name matches, a list holds
+  whole names or their last dotted parts."""
+  if isinstance(spec, str):
+    return re.fullmatch(spec, module) is not None
+  return any(module == name or module.endswith(f'.{name}') for name in spec)
+
+
+def _check_targets(directory: str, adapter: dict, modules: list[str]) -> None:
+  """Refuses factors of a module that PEFT puts no LoRA layer on: one `target_modules` does
+  not match, or `exclude_modules` does. PEFT refuses an adapter that targets none of the
+  model's modules, and loads one that misses some without their factors.
+
+  'all-linear' targets every linear layer, as every factor read here is; without
+  target_modules PEFT takes its defaults for the model's type, which are not known here.
+  """
+  targets = adapter.get('target_modules')
+  if targets is None or targets == ALL_LINEAR:
+    return
+  excluded = adapter.get('exclude_modules') or []
+  missed = [m for m in modules if not _matches(targets, m) or _matches(excluded, m)]
+  if not missed:
+    return
+  path = os.path.join(directory, CONFIG)
+  if len(missed) == len(modules):
+    raise UserError(f'{path}: target_modules {targets!r} match none of the modules its factors '
+                    f'adapt (such as {modules[0]}); PEFT refuses such an adapter')
+  raise UserError(f'{path}: target_modules {targets!r} leave out {missed[0]}, whose factors '
+                  f'{ADAPTER} holds; PEFT would load the adapter without them')
 
 
 def _rules(family, model: dict) -> dict[str, tuple[str, str]]:
@@ -127,6 +160,7 @@ def factors(directory: str) -> tuple[dict[str, Factors], dict[str, str]]:
         a, b, alpha / (math.sqrt(rank) if adapter.get('use_rslora') else rank))
   if not found:
     raise UserError(f'{directory}: {ADAPTER} holds no LoRA factor')
+  _check_targets(directory, adapter, [w[:-len('.weight')] for w in found])
   return found, metadata
 
 
