@@ -6,11 +6,11 @@ split over data × fsdp. Parameters are placed by config data, big_vision style:
 is a tuple of mesh-axis names (or None) per array dimension; an empty tuple replicates.
 
 Most rules come from logical axes, as in MaxText: `LOGICAL_AXES` names each dimension of the
-models' leaves (embed, heads, head_dim, mlp, vocab), and a preset maps logical names to mesh
-axes: 'dp' replicates every parameter, 'fsdp' splits the embedding dimension over 'fsdp', and
-'fsdp+tp' also splits heads, MLP and vocabulary over 'tensor'. A dimension that its mesh axes
-do not divide stays whole. The same code runs on a 1-device laptop mesh, N simulated CPU
-devices, a GPU or a TPU slice.
+models' leaves (embed, heads, kv_heads, head_dim, mlp, vocab), and a preset maps logical names
+to mesh axes: 'dp' replicates every parameter, 'fsdp' splits the embedding dimension over
+'fsdp', and 'fsdp+tp' also splits heads, MLP and vocabulary over 'tensor'. A dimension that
+its mesh axes do not divide stays whole. The same code runs on a 1-device laptop mesh, N
+simulated CPU devices, a GPU or a TPU slice.
 """
 
 from typing import Any, Sequence
@@ -27,10 +27,19 @@ MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 REPLICATED_RULES = (('.*', ()),)
 
-# Each dimension of the models' leaves (editing/models: ViT, CLIP text, BERT), by path.
+# Each dimension of the models' leaves (editing/models: ViT, CLIP text, BERT, the decoder), by
+# path. Key and value projections have kv_heads heads: fewer than the query's in a decoder's
+# grouped-query attention, as many in an encoder's (so the presets map kv_heads as heads).
 LOGICAL_AXES = (
-    (r'(.*/)?attn/(query|key|value)/kernel$', ('embed', 'heads', 'head_dim')),
-    (r'(.*/)?attn/(query|key|value)/bias$', ('heads', 'head_dim')),
+    (r'(.*/)?attn/(key|value)/kernel$', ('embed', 'kv_heads', 'head_dim')),
+    (r'(.*/)?attn/(key|value)/bias$', ('kv_heads', 'head_dim')),
+    (r'blocks_\d+/mlp/(gate|up)/kernel$', ('embed', 'mlp')),
+    (r'blocks_\d+/mlp/(gate|up)/bias$', ('mlp',)),
+    (r'blocks_\d+/mlp/down/kernel$', ('mlp', 'embed')),
+    (r'embed/embedding$', ('vocab', 'embed')),
+    (r'lm_head/kernel$', ('embed', 'vocab')),
+    (r'(.*/)?attn/query/kernel$', ('embed', 'heads', 'head_dim')),
+    (r'(.*/)?attn/query/bias$', ('heads', 'head_dim')),
     (r'(.*/)?attn/out/kernel$', ('heads', 'head_dim', 'embed')),
     (r'(.*/)?mlp_fc/kernel$', ('embed', 'mlp')),
     (r'(.*/)?mlp_fc/bias$', ('mlp',)),
@@ -45,7 +54,8 @@ LOGICAL_AXES = (
 PRESETS = {
     'dp': {},
     'fsdp': {'embed': 'fsdp'},
-    'fsdp+tp': {'embed': 'fsdp', 'heads': 'tensor', 'mlp': 'tensor', 'vocab': 'tensor'},
+    'fsdp+tp': {'embed': 'fsdp', 'heads': 'tensor', 'kv_heads': 'tensor', 'mlp': 'tensor',
+                'vocab': 'tensor'},
 }
 
 

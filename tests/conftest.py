@@ -95,3 +95,15 @@ def tiny_run_fixture(tmp_path_factory, worker_id):
   with open(shared / 'quickstart_tiny.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     return config, workdir, quickstart.run(config, workdir)
+
+
+@pytest.fixture(scope='session', name='smollm2_gguf')
+def smollm2_gguf_fixture():
+  """The path of SmolLM2-135M-Instruct.Q4_1.gguf, fetched into the cache on first use. A test
+  that needs it and cannot have it fails with the one line saying why; it does not skip."""
+  from editing.errors import UserError  # pylint: disable=g-import-not-at-top
+  from editing.models import smollm2  # pylint: disable=g-import-not-at-top
+  try:
+    return smollm2.gguf_path()
+  except UserError as e:
+    pytest.fail(str(e), pytrace=False)

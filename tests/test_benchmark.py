@@ -7,9 +7,11 @@ import jax
 import numpy as np
 import pytest
 
+from configs import decoder_benchmark as decoder_config
 from configs import quickstart
 from editing import regimes
 from editing.jobs import benchmark
+from editing.jobs import decoder_benchmark
 from editing.jobs import experiment
 from tests.conftest import run_python, xla_flags
 
@@ -44,6 +46,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from editing.jobs import benchmark
+from editing.jobs import decoder_benchmark
 from editing.jobs import experiment
 
 mesh = jax.make_mesh((8,), ('rows',))
@@ -79,8 +82,31 @@ def test_an_unknown_benchmark_job_is_named_with_the_known_ones(tmp_path):
                      f'--workdir={tmp_path}'], check=False)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1].endswith(
-      "unknown benchmark job 'regime'; known: ['merge_checkpoints', 'mergekit', 'regimes']"), \
+      "unknown benchmark job 'regime'; known: ['decoder', 'merge_checkpoints', 'mergekit', "
+      "'regimes']"), \
       proc.stderr
+
+
+def test_the_decoder_benchmark_counts_the_models_flops_and_times_pytorch_beside_it(tmp_path):
+  config = decoder_config.get_config('tiny')
+  config.benchmark.peak_flops = 1e12
+  result = decoder_benchmark.run(config, str(tmp_path))
+  # The tiny Llama by hand: a tied 256 × 32 table, and per layer q, o (32 × 32), k, v
+  # (32 × 16: 2 of 4 heads), gate, up, down (32 × 64) and two norms; the final norm.
+  layer = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32
+  assert result['params'] == 256 * 32 + 2 * layer + 32
+  tokens = config.benchmark.batch_size * config.benchmark.length
+  attention = 4 * 2 * 4 * 8 * config.benchmark.length  # 4·L·H·d·S
+  forward, train = result['steps']['forward'], result['steps']['train']
+  assert forward['flops'] == tokens * (2 * result['params'] + attention)
+  assert train['flops'] == 3 * forward['flops']
+  for step in (forward, train):
+    assert step['mfu'] == pytest.approx(step['flops'] / step['median_s'] / 1e12)
+    assert step['speedup_over_torch'] > 0 and step['xla_flops'] > 0
+  assert result['generation']['tokens_per_s'] > 0
+  assert result['generation']['speedup_over_torch'] > 0
+  assert json.loads((tmp_path / 'decoder_benchmark.json').read_text())['params'] == \
+      result['params']
 
 
 def test_the_pytorch_reference_trains_the_same_model_as_the_jax_step():

@@ -1,0 +1,161 @@
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2/3, Gemma 2/3) ↔ editmerge's decoder
+(`editing/models/decoder.py`).
+
+Source: transformers, models/{llama,mistral,qwen2,qwen3,gemma2,gemma3}/modeling_*.py
+(*ForCausalLM). Their names, under `model.layers.{i}.`: self_attn.{q,k,v,o}_proj (weight, and
+bias where the family has one), self_attn.{q,k}_norm, input_layernorm, post_attention_layernorm
+(the norm before the MLP, except in Gemma, where it follows attention and
+pre_feedforward_layernorm precedes the MLP), post_feedforward_layernorm (Gemma),
+mlp.{gate,up,down}_proj; model.embed_tokens, model.norm and, untied, lm_head.
+
+  to_params(tensors, config)    {HF name: array} -> our params (every name checked at once)
+  from_params(params, config)   our params -> {HF name: array}
+  load(path)                    (config, params) of a HF directory, one tensor at a time
+  export(params, config, dir)   config.json + safetensors that transformers loads
+"""
+
+import collections.abc
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from editing import tree as tree_lib
+from editing.errors import UserError
+from editing.models import decoder
+from editing.models import hf
+from editing.models import keymap
+from editing.models.decoder_config import DecoderConfig
+
+# Saved beside the weights by some checkpoints, and not parameters: RoPE's frequency tables.
+_BUFFER_SUFFIX = '.rotary_emb.inv_freq'
+_TIED_HEAD = 'lm_head.weight'
+
+
+def rules(config: DecoderConfig) -> list[keymap.Rule]:
+  """(our path, their name, layout) for every leaf of the decoder `config` describes."""
+  layer = 'model.layers.{i}.'
+  attn = [('query', 'q_proj'), ('key', 'k_proj'), ('value', 'v_proj')]
+  table = [('embed/embedding', 'model.embed_tokens.weight', 'copy'),
+           ('final_norm/scale', 'model.norm.weight', 'copy'),
+           ('blocks_{i}/input_norm/scale', layer + 'input_layernorm.weight', 'copy')]
+  for ours, theirs in attn:
+    table.append((f'blocks_{{i}}/attn/{ours}/kernel', f'{layer}self_attn.{theirs}.weight',
+                  'heads_in'))
+    if config.qkv_bias:
+      table.append((f'blocks_{{i}}/attn/{ours}/bias', f'{layer}self_attn.{theirs}.bias',
+                    'heads_bias'))
+  table.append(('blocks_{i}/attn/out/kernel', layer + 'self_attn.o_proj.weight', 'heads_out'))
+  if config.out_bias:
+    table.append(('blocks_{i}/attn/out/bias', layer + 'self_attn.o_proj.bias', 'copy'))
+  if config.family.qk_norm:
+    table += [('blocks_{i}/attn/query_norm/scale', layer + 'self_attn.q_norm.weight', 'copy'),
+              ('blocks_{i}/attn/key_norm/scale', layer + 'self_attn.k_norm.weight', 'copy')]
+  if config.family.gemma:
+    table += [('blocks_{i}/post_attn_norm/scale', layer + 'post_attention_layernorm.weight',
+               'copy'),
+              ('blocks_{i}/pre_mlp_norm/scale', layer + 'pre_feedforward_layernorm.weight',
+               'copy'),
+              ('blocks_{i}/post_mlp_norm/scale', layer + 'post_feedforward_layernorm.weight',
+               'copy')]
+  else:
+    table.append(('blocks_{i}/pre_mlp_norm/scale', layer + 'post_attention_layernorm.weight',
+                  'copy'))
+  for name in ('gate', 'up', 'down'):
+    table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear'))
+    if config.mlp_bias:
+      table.append((f'blocks_{{i}}/mlp/{name}/bias', f'{layer}mlp.{name}_proj.bias', 'copy'))
+  if not config.tie_embeddings:
+    table.append(('lm_head/kernel', _TIED_HEAD, 'linear'))
+  return keymap.expand(table, config.num_layers)
+
+
+def param_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of the decoder's params, traced without allocating them."""
+  one = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  shapes = jax.eval_shape(decoder.Decoder(config).init, jax.random.PRNGKey(0), one, one,
+                          jax.ShapeDtypeStruct((1, 1), jnp.bool_))
+  return {p: tuple(x.shape) for p, x in tree_lib.flatten(shapes['params']).items()}
+
+
+def _is_kv(path: str) -> bool:
+  return '/attn/key/' in path or '/attn/value/' in path
+
+
+def to_params(tensors: Mapping[str, np.ndarray], config: DecoderConfig, *,
+              dtype: Any = np.float32) -> dict:
+  """Our params (numpy, `dtype`) from HF-named tensors, read one name at a time. Missing,
+  unexpected and misshapen tensors are named together in one UserError; RoPE buffers, and
+  lm_head.weight when the embeddings are tied, are not parameters and are passed over."""
+  table = rules(config)
+  shapes = param_shapes(config)
+  expected = {theirs: keymap.their_shape(layout, shapes[ours]) for ours, theirs, layout in table}
+  skipped = {n for n in tensors if n.endswith(_BUFFER_SUFFIX) or
+             (config.tie_embeddings and n == _TIED_HEAD)}
+  given = set(tensors) - skipped
+  problems = [f'missing {n}' for n in sorted(set(expected) - given)]
+  problems += [f'unexpected {n}' for n in sorted(given - set(expected))]
+  shape = lambda name: tuple(getattr(tensors[name], 'shape', None) or np.shape(tensors[name]))
+  problems += [f'{n} has shape {shape(n)}, the model {expected[n]}'
+               for n in sorted(set(expected) & given) if shape(n) != expected[n]]
+  if problems:
+    raise UserError(f'the tensors do not fit a {config.model_type} decoder: ' +
+                    '; '.join(problems))
+  read = lambda name: np.asarray(tensors[name]).astype(dtype)
+  flat = keymap.to_ours([r for r in table if not _is_kv(r[0])], read, config.num_heads)
+  flat.update(keymap.to_ours([r for r in table if _is_kv(r[0])], read, config.num_kv_heads))
+  return tree_lib.unflatten({path: flat[path] for path in shapes})
+
+
+def from_params(params: Any, config: DecoderConfig) -> dict[str, np.ndarray]:
+  """HF-named tensors (numpy, in the params' dtype) from our params."""
+  flat = {path: np.asarray(x) for path, x in tree_lib.flatten(params).items()}
+  return keymap.to_theirs(rules(config), flat)
+
+
+class _Lazy(collections.abc.Mapping):
+  """A checkpoint's tensors as a mapping that reads each one when asked, and its shapes from
+  the file headers."""
+
+  def __init__(self, checkpoint: hf.Checkpoint):
+    self._checkpoint = checkpoint
+
+  def __getitem__(self, name):
+    return _Tensor(self._checkpoint, name)
+
+  def __iter__(self):
+    return iter(self._checkpoint.files)
+
+  def __len__(self):
+    return len(self._checkpoint.files)
+
+
+class _Tensor:
+  """One stored tensor: its shape from the header, its entries read on np.asarray."""
+
+  def __init__(self, checkpoint: hf.Checkpoint, name: str):
+    self._checkpoint, self._name = checkpoint, name
+    self.shape = checkpoint.header(name)[0]
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    x = self._checkpoint.tensor(self._name)
+    return x if dtype is None else x.astype(dtype)
+
+
+def load(path: str, *, dtype: Any = np.float32) -> tuple[DecoderConfig, dict]:
+  """(config, params) of a Hugging Face causal-LM directory (config.json and safetensors,
+  single or sharded), each tensor read from disk only when it is converted."""
+  checkpoint = hf.Checkpoint(path)
+  config = DecoderConfig.from_hf(checkpoint.config)
+  params = to_params(_Lazy(checkpoint), config, dtype=dtype)
+  tree_lib.check_finite(params, path)
+  return config, params
+
+
+def export(params: Any, config: DecoderConfig, directory: str, *,
+           shard_bytes: int = 2 * 1024**3) -> None:
+  """Writes params as a Hugging Face directory (config.json, safetensors shards of at most
+  `shard_bytes`) that transformers' AutoModelForCausalLM loads; atomically (`hf.save`)."""
+  hf.save(directory, from_params(params, config), config.to_hf(), shard_bytes=shard_bytes)
