@@ -134,7 +134,13 @@ def _stop_table(stop_sequences, rows: int, length: int):
   return stops, active
 
 
-def _check(config, prompts, max_new_tokens, temperature, key, stop_sequences):
+def _check(config, prompts, max_new_tokens, temperature, key, eos_ids, stop_sequences):
+  ids = [('eos_ids', t) for t in eos_ids] + [('stop_sequences', t) for s in stop_sequences
+                                             for t in s]
+  for where, token in ids:
+    if not isinstance(token, (int, np.integer)) or not 0 <= token < config.vocab_size:
+      raise UserError(f'generate: {where} holds {token!r}, not a token id of the vocabulary '
+                      f'(0 … {config.vocab_size - 1})')
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError('generate: every prompt needs at least one token (a BOS token, say)')
   if max_new_tokens < 1:
@@ -159,7 +165,7 @@ def generate(config: DecoderConfig, params, prompts: Sequence[Sequence[int]], *,
   end of one of `stop_sequences` (token lists)."""
   prompts = [list(p) for p in prompts]
   stop_sequences = [list(s) for s in stop_sequences]
-  _check(config, prompts, max_new_tokens, temperature, key, stop_sequences)
+  _check(config, prompts, max_new_tokens, temperature, key, list(eos_ids), stop_sequences)
   bucket = _Bucket(config, bucket_size(len(prompts)),
                    bucket_size(max(len(p) for p in prompts), 8), max_new_tokens,
                    bucket_size(len(eos_ids), 4), bucket_size(len(stop_sequences), 4),

@@ -150,3 +150,14 @@ def test_sampled_generation_follows_its_key():
     generate_lib.generate(config, params, batch, max_new_tokens=4, temperature=1.0)
   with pytest.raises(UserError, match='max_position_embeddings'):
     generate_lib.generate(config, params, batch, max_new_tokens=config.max_position_embeddings)
+
+
+@pytest.mark.parametrize('kwargs, named', [
+    (dict(eos_ids=[None]), 'eos_ids holds None'),  # a tokenizer's missing special token
+    (dict(eos_ids=[10_000]), 'eos_ids holds 10000'),
+    (dict(stop_sequences=[[3, -1]]), 'stop_sequences holds -1'),
+])
+def test_a_stop_id_outside_the_vocabulary_is_named(kwargs, named):
+  _, config, params = model_and_ours('llama')
+  with pytest.raises(UserError, match=named):
+    generate_lib.generate(config, params, prompts([5]), max_new_tokens=4, **kwargs)
