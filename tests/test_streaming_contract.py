@@ -15,6 +15,8 @@ import merging
 from editing import settings
 from editing.models import hf
 from merging import checkpoints
+from merging.checkpoints import digests
+from merging.checkpoints import sliced
 from merging import common
 from merging import ops
 from merging import sparsity
@@ -182,3 +184,17 @@ def test_the_streamed_engine_names_no_method():
       text = f.read()
     for name in merging.REGISTRY:
       assert not re.search(rf'''['"]{re.escape(name)}['"]''', text), (file, name)
+
+
+def test_the_engines_readers_are_hf_readers(tmp_path):
+  """A checkpoint, a slice's view of it and a hashed reader all read as `hf.Reader` says, and a
+  view reads its source's entries under the output's names."""
+  base, _ = fixture(str(tmp_path), np.float32)
+  ckpt = hf.Checkpoint(base)
+  name = sorted(ckpt.files)[0]
+  view = sliced.View(ckpt, {'renamed': name}, layers=1)
+  for reader in (ckpt, view, digests.Watched(ckpt)):
+    assert isinstance(reader, hf.Reader), type(reader)
+  assert not isinstance(np.zeros(3), hf.Reader)
+  np.testing.assert_array_equal(view.read('renamed', 0, 5), ckpt.read(name, 0, 5))
+  assert view.header('renamed') == ckpt.header(name)

@@ -21,7 +21,7 @@ and the `vit.` part of ViTForImageClassification: ViT, DeiT, DINO; hf_vit.py), '
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,26 @@ SINGLE, INDEX = safetensors_io.SINGLE, safetensors_io.INDEX
 # What transformers expects of a file's metadata.
 PT_METADATA = {'format': 'pt'}
 _PICKLES = ('pytorch_model.bin', 'model.bin', 'model.pt', 'model.pth', 'model.ckpt')
+
+
+@runtime_checkable
+class Reader(Protocol):
+  """What a streamed merge reads a checkpoint through: a `Checkpoint`, or a view of one (a
+  slice's tensors under the output's names, a base with an adapter merged into it, a reader
+  whose reads are hashed for a resume to check)."""
+
+  path: str
+  config: dict  # its config.json
+  files: Mapping[str, str]  # {tensor name: the file holding it}
+
+  def header(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """A tensor's shape and numpy dtype, from the file's header alone."""
+
+  def tensor(self, name: str) -> np.ndarray:
+    """One tensor whole, as stored."""
+
+  def read(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Entries [start, stop) of a tensor in row-major order, as stored, into `out` if given."""
 
 
 class Checkpoint:

@@ -34,8 +34,8 @@ CHUNK = pipeline.BLOCK  # entries
 
 
 class Watched:
-  """A checkpoint (an `hf.Checkpoint`, a sliced view, an adapted base), read as it is, that
-  keeps the CRC of every chunk read."""
+  """A checkpoint (an `hf.Reader`: a checkpoint, a sliced view, an adapted base), read as it
+  is, that keeps the CRC of every chunk read."""
 
   def __init__(self, ckpt):
     self._ckpt, self._crcs, self._lock = ckpt, {}, threading.Lock()

@@ -107,7 +107,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
 
 
 def _check_same_tensors(base: str, base_ckpt: hf.Checkpoint, models: Sequence[str],
-                        ckpts: Sequence[hf.Checkpoint], names: Sequence[str]) -> None:
+                        ckpts: Sequence[hf.Reader], names: Sequence[str]) -> None:
   """Every fine-tuned model has the base's tensors, of the same shapes and dtypes."""
   for path, ckpt in zip(models, ckpts):
     missing = sorted(set(names) - set(ckpt.files))

@@ -82,7 +82,7 @@ def ahead(produce: Callable[[Any], Any], items: Sequence, depth: int,
 thread_buffers = threading.local()
 
 
-def read_block(ckpts: Sequence[hf.Checkpoint], name: str, start: int, stop: int, width: int,
+def read_block(ckpts: Sequence[hf.Reader], name: str, start: int, stop: int, width: int,
                dtype: np.dtype) -> list[np.ndarray]:
   """Entries [start, stop) of the tensor `name` of each checkpoint, zero-padded to `width`, in
   buffers of this thread's that the next call reads into again: they stay in the processor's

@@ -59,7 +59,7 @@ class GlobalRanking:
   its cut, found by one `editing.cuts.select` whose chunks are the tensors, so that each
   tensor's cut is computed alone and keeps what the in-memory global ranking keeps."""
 
-  def __init__(self, base: hf.Checkpoint, tuned: hf.Checkpoint, names: Sequence[str],
+  def __init__(self, base: hf.Reader, tuned: hf.Reader, names: Sequence[str],
                cut: sparsity.Cut, ranked: Callable[[str, np.ndarray], np.ndarray]):
     self.names = [n for n in names if is_floating(base, n)]
     self.index = {name: i for i, name in enumerate(self.names)}
@@ -86,7 +86,7 @@ class GlobalRanking:
         for kept, selection in zip(self.kept, self.selections))
 
 
-def is_floating(ckpt: hf.Checkpoint, name: str) -> bool:
+def is_floating(ckpt: hf.Reader, name: str) -> bool:
   return bool(jnp.issubdtype(ckpt.header(name)[1], jnp.floating))
 
 
@@ -95,7 +95,7 @@ class TensorRanking:
   computed on the host before the tensor's pipeline.blocks merge; with scope 'global', from each
   model's `GlobalRanking`. `pool` runs each model's ranking in a thread."""
 
-  def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint], plan: plan_lib.Plan,
+  def __init__(self, base: hf.Reader, tuned: Sequence[hf.Reader], plan: plan_lib.Plan,
                pool: concurrent.futures.Executor, key: jax.Array, labels: Sequence[str]):
     self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
     # Before anything is written: the global select's passes read every tensor.

@@ -21,7 +21,7 @@ Slices = Sequence[Mapping[str, Sequence[int]]]  # per slice, {model path: [first
 
 
 class View:
-  """A checkpoint's tensors under the output's names, read as an `hf.Checkpoint` is."""
+  """A checkpoint's tensors under the output's names (an `hf.Reader`)."""
 
   def __init__(self, ckpt: hf.Checkpoint, names: Mapping[str, str], layers: int):
     self.path, self._ckpt, self._names = ckpt.path, ckpt, dict(names)

@@ -34,7 +34,7 @@ class TensorMerge:
   `block` merges a block of it with one call of the jitted `_edit_block`; `pool` runs each
   model's ranking in a thread."""
 
-  def __init__(self, base: hf.Checkpoint, tuned: Sequence[hf.Checkpoint],
+  def __init__(self, base: hf.Reader, tuned: Sequence[hf.Reader],
                paths: Sequence[str], plan: plan_lib.Plan, pool: concurrent.futures.Executor,
                positions: dict[str, float] | None = None):
     self.base, self.tuned, self.plan, self.pool = base, list(tuned), plan, pool
