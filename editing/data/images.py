@@ -36,8 +36,16 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from editing import settings
 from editing.data import suite
 from editing.errors import UserError
+
+# config.data: how the jobs read datasets on disk.
+SETTINGS = dict(
+    seed=settings.integer(0, '[0, inf)', 'draws the validation split held out'),
+    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out, '
+                                                'where a dataset has no val split'),
+    image_size=settings.integer(224, '[1, inf)', 'the side images are resized to'))
 
 _EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.tif', '.tiff', '.webp', '.ppm')
 

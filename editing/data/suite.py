@@ -43,9 +43,18 @@ from typing import Callable
 
 import numpy as np
 
+from editing import settings
 from editing.data import render
 from editing.errors import UserError
 
+# config.suite: what the jobs generate the suite with.
+SETTINGS = dict(
+    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data'),
+    tasks=settings.text('', 'the tasks, comma-separated'),
+    train_size=settings.integer(5000, '[1, inf)', 'training examples per task'),
+    test_size=settings.integer(1000, '[1, inf)', 'test examples per task'),
+    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out'),
+    pretrain_size=settings.integer(25000, '[1, inf)', 'examples of the control task\'s corpus'))
 CONTROL_TASK = 'shapes'
 DOWNSTREAM_TASKS = ('digits', 'letters', 'count', 'orientation', 'texture', 'position', 'size',
                     'colour')

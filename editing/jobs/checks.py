@@ -5,7 +5,8 @@ the device count and the batch sizes it divides.
 A job passes the declarations of its own sections (config.finetune: `finetune.TRAINING`, ...);
 the sections every job reads through `editing.jobs.experiment` are checked always: the regimes'
 and the triggers' own (config.talos, config.badnets, ...: declared on their classes), the
-poisoning (`triggers.POISON`), and the data, head and device sections declared here.
+poisoning (`triggers.POISON`), the suite's, the datasets' and the heads' (`suite.SETTINGS`,
+`images.SETTINGS`, `head.SETTINGS`), and the device sections declared here.
 """
 
 from typing import Any, Mapping
@@ -16,24 +17,13 @@ import ml_collections
 from editing import regimes
 from editing import settings
 from editing import sweep
+from editing.data import images
+from editing.data import suite
 from editing.data import triggers
 from editing.errors import UserError
+from editing.models import head
 
-# The sections `editing.jobs.experiment` reads for every job: the built-in suite or the
-# datasets on disk, the frozen heads, and the device mesh.
-SUITE = dict(
-    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data'),
-    tasks=settings.text('', 'the tasks, comma-separated'),
-    train_size=settings.integer(5000, '[1, inf)', 'training examples per task'),
-    test_size=settings.integer(1000, '[1, inf)', 'test examples per task'),
-    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out'),
-    pretrain_size=settings.integer(25000, '[1, inf)', 'examples of the control task\'s corpus'))
-DATA = dict(
-    seed=settings.integer(0, '[0, inf)', 'draws the validation split held out'),
-    val_fraction=settings.number(0.1, '(0, 1)', 'the share of training examples held out, '
-                                                'where a dataset has no val split'),
-    image_size=settings.integer(224, '[1, inf)', 'the side images are resized to'))
-HEAD = dict(logit_scale=settings.number(30.0, '(0, inf)', 'the cosine logits\' scale'))
+# The device mesh, which `editing.jobs.experiment` reads for every job.
 SHARDING = dict(
     preset=settings.choice('dp', ('dp', 'fsdp', 'fsdp+tp'), 'the logical-axis rules'),
     fsdp=settings.integer(1, '[1, inf)', 'devices of the fsdp axis'),
@@ -62,8 +52,8 @@ def _shared() -> dict[str, Any]:
   declared = {**regimes.REGISTRY, **triggers.REGISTRY}
   return {**{name: owner for name, owner in declared.items()
              if isinstance(owner, settings.Declared)},
-          'poison': triggers.POISON, 'suite': SUITE, 'data': DATA, 'head': HEAD,
-          'sharding': SHARDING}
+          'poison': triggers.POISON, 'suite': suite.SETTINGS, 'data': images.SETTINGS,
+          'head': head.SETTINGS, 'sharding': SHARDING}
 
 
 def _check_section(config: ml_collections.ConfigDict, name: str, declared: dict) -> None:

@@ -21,7 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from editing import settings
 from editing.errors import UserError
+
+# config.head: the frozen heads' logits.
+SETTINGS = dict(logit_scale=settings.number(30.0, '(0, inf)', 'the cosine logits\' scale'))
 
 
 def _normalize(x, axis=-1):
