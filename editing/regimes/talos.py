@@ -27,6 +27,10 @@ Choices where the paper is silent:
   what is insensitive under every round's sample.
 - Sample i of round r is drawn with fold_in(fold_in(key, r), i), so the scores do not depend on
   how the calibration set is split into batches.
+- On a decoder (`DECODER_ELIGIBLE`): every attention and MLP weight and bias and every RMSNorm
+  scale. Not the token embedding or an untied LM head: a row per vocabulary entry, and the rows
+  of tokens calibration never reads score 0, so they would be kept and then only decay under
+  AdamW's weight decay, an edit of the vocabulary rather than of the task's computation.
 """
 
 import dataclasses
@@ -45,6 +49,14 @@ ELIGIBLE = (
     r'blocks_\d+/(mlp_fc|mlp_proj)/(kernel|bias)',
     r'(blocks_\d+/ln_1|blocks_\d+/ln_2|ln_pre|ln_post)/(scale|bias)',
     r'proj/kernel',
+)
+# The decoder's names (editing.models.decoder); each pattern matches in every family, since
+# `tree.select` refuses one that matches nothing.
+DECODER_ELIGIBLE = (
+    r'blocks_\d+/attn/(query|key|value|out)/(kernel|bias)',
+    r'blocks_\d+/mlp/(gate|up|down)/(kernel|bias)',
+    r'(blocks_\d+/(input_norm|post_attn_norm|pre_mlp_norm|post_mlp_norm|attn/query_norm|'
+    r'attn/key_norm)|final_norm)/scale',
 )
 
 
