@@ -10,6 +10,9 @@ bucket compiles once.
                                  tokens that start every `stride` tokens: each token is scored
                                  once, in the first window holding it and a token before it,
                                  so it sees at least window − stride tokens of context
+  file_perplexity                the same over the documents of a .txt, .jsonl or .parquet
+                                 file (`read_documents`), each scored apart, as
+                                 lm-eval-harness's rolling log-likelihood scores them
   multiple_choice                lm-eval-harness's convention: acc takes the choice of highest
                                  summed log-likelihood, acc_norm the highest sum divided by the
                                  choice's length in UTF-8 bytes (the harness counts characters,
@@ -19,6 +22,8 @@ bucket compiles once.
 """
 
 import functools
+import json
+import os
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -29,6 +34,7 @@ from editing import generate as generate_lib
 from editing.errors import UserError
 from editing.models import decoder
 from editing.models.decoder_config import DecoderConfig
+from editing.models.tokenizer import Tokenizer
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +103,7 @@ def continuation_log_likelihoods(config: DecoderConfig, params, prompts: Sequenc
 class Perplexity(NamedTuple):
   perplexity: float
   negative_log_likelihood: float  # summed over the scored tokens
-  tokens: int  # scored: all but the first
+  tokens: int  # scored: all but the first of each stream
 
 
 def windows(count: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -119,14 +125,113 @@ def perplexity(config: DecoderConfig, params, tokens: Sequence[int], *, window: 
   """exp(−(1/n) Σ_t log p(x_t | the window's tokens before t)) over tokens 1..n."""
   if len(tokens) < 2:
     raise UserError(f'perplexity needs at least 2 tokens, got {len(tokens)}')
-  spans = windows(len(tokens), window, stride)
-  scores = _next_token_scores(config, params, [list(tokens[s:e]) for s, _, e in spans],
+  return _pooled_perplexity(config, params, [list(tokens)], window, stride, batch_size, dtype)
+
+
+def _pooled_perplexity(config, params, streams: Sequence[Sequence[int]], window: int,
+                       stride: int, batch_size: int, dtype) -> Perplexity:
+  """exp(−Σ log p / n) over tokens 1.. of every stream, each in windows of its own: no
+  window crosses from one stream into the next. The windows of all streams share batches."""
+  spans = [(i, span) for i, stream in enumerate(streams)
+           for span in windows(len(stream), window, stride)]
+  scores = _next_token_scores(config, params, [list(streams[i][s:e]) for i, (s, _, e) in spans],
                               batch_size, dtype)
   # Entry j of a window's scores is token start + j + 1.
-  picked = np.concatenate([log_p[first - start - 1:] for (start, first, _), (log_p, _)
+  picked = np.concatenate([log_p[first - start - 1:] for (_, (start, first, _)), (log_p, _)
                            in zip(spans, scores)]).astype(np.float64)
   nll = float(-picked.sum())
   return Perplexity(float(np.exp(nll / len(picked))), nll, len(picked))
+
+
+TEXT_SUFFIXES = ('.txt', '.jsonl', '.parquet')
+
+
+def read_documents(path: str, field: str = 'text') -> list[str]:
+  """The non-empty documents of a text file: a .txt file is one document (its whole text,
+  UTF-8), a .jsonl file one per line (the string `field` of the line's object), a .parquet
+  file one per row (its string column `field`). Another suffix, a file that cannot be read, a
+  missing or non-string field and a file without text are refused, naming the file."""
+  suffix = os.path.splitext(path)[1].lower()
+  readers = {'.txt': _read_txt, '.jsonl': _read_jsonl, '.parquet': _read_parquet}
+  if suffix not in readers:
+    raise UserError(f'{path}: text to score is read from {", ".join(TEXT_SUFFIXES)} files, '
+                    f'not {suffix or "a file without a suffix"}')
+  if not os.path.isfile(path):
+    raise UserError(f'{path} does not exist')
+  try:
+    documents = [d for d in readers[suffix](path, field) if d]
+  except UnicodeDecodeError as e:
+    raise UserError(f'{path} is not UTF-8 text ({e})') from None
+  if not documents:
+    raise UserError(f'{path} holds no text to score')
+  return documents
+
+
+def _read_txt(path: str, field: str) -> list[str]:
+  del field  # the whole file is the one document
+  with open(path, encoding='utf-8', newline='') as f:  # newlines kept as written
+    return [f.read()]
+
+
+def _read_jsonl(path: str, field: str) -> list[str]:
+  documents = []
+  with open(path, encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise UserError(f'{path}, line {number}: not a JSON object ({e})') from None
+      if not isinstance(record, dict) or field not in record:
+        raise UserError(f'{path}, line {number}: no field {field!r} (name the field of the '
+                        'text to score)')
+      if not isinstance(record[field], str):
+        raise UserError(f'{path}, line {number}: field {field!r} is a '
+                        f'{type(record[field]).__name__}, not text')
+      documents.append(record[field])
+  return documents
+
+
+def _read_parquet(path: str, field: str) -> list[str]:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  try:
+    file = pq.ParquetFile(path)
+  except (OSError, ValueError) as e:
+    raise UserError(f'{path} is not a readable parquet file ({e})') from None
+  schema = file.schema_arrow
+  if field not in schema.names:
+    raise UserError(f'{path} has no column {field!r}; it has {schema.names}')
+  kind = schema.field(field).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    raise UserError(f'{path}: column {field!r} holds {kind}, not text')
+  documents = file.read(columns=[field]).column(field).to_pylist()
+  if None in documents:
+    raise UserError(f'{path}: row {documents.index(None)} of column {field!r} is null')
+  return documents
+
+
+def file_perplexity(config: DecoderConfig, params, tokenizer: Tokenizer, path: str, *,
+                    window: int, stride: int, field: str = 'text', batch_size: int = 8,
+                    dtype=jnp.float32) -> Perplexity:
+  """Perplexity of a text file's documents (`read_documents`), as lm-eval-harness's rolling
+  log-likelihood scores a corpus such as wikitext: each document is encoded without special
+  tokens and preceded by one prefix token (BOS, or EOS where the model has no BOS), so that
+  every token of its text is scored, in windows within the document (no context crosses
+  documents); perplexity = exp(Σ_d NLL_d / Σ_d n_d) over documents d of n_d tokens."""
+  prefix = tokenizer.token_id('bos_token')
+  if prefix is None:
+    prefix = tokenizer.token_id('eos_token')
+  if prefix is None:
+    raise UserError(f'the tokenizer of {tokenizer.source} has neither a BOS nor an EOS token '
+                    f'to start the documents of {path} with')
+  streams = [[prefix] + tokenizer.encode(d, add_special_tokens=False)
+             for d in read_documents(path, field)]
+  streams = [s for s in streams if len(s) > 1]
+  if not streams:
+    raise UserError(f'{path}: its text encodes to no tokens')
+  return _pooled_perplexity(config, params, streams, window, stride, batch_size, dtype)
 
 
 class Choice(NamedTuple):

@@ -10,17 +10,20 @@ mlp.{gate,up,down}_proj; model.embed_tokens, model.norm and, untied, lm_head.
 
   to_params(tensors, config)    {HF name: array} -> our params (every name checked at once)
   from_params(params, config)   our params -> {HF name: array}
-  load(path)                    (config, params) of a HF directory, one tensor at a time
+  load(path, mesh=)             (config, params) of a HF directory, one tensor at a time;
+                                with a mesh, each leaf is placed on it as soon as it is read
   export(params, config, dir)   config.json + safetensors that transformers loads
 """
 
 import collections.abc
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from editing import sharding
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.models import decoder
@@ -84,10 +87,14 @@ def _is_kv(path: str) -> bool:
 
 
 def to_params(tensors: Mapping[str, np.ndarray], config: DecoderConfig, *,
-              dtype: Any = np.float32) -> dict:
+              dtype: Any = np.float32, place: Callable[[str, np.ndarray], Any] | None = None
+              ) -> dict:
   """Our params (numpy, `dtype`) from HF-named tensors, read one name at a time. Missing,
   unexpected and misshapen tensors are named together in one UserError; RoPE buffers, and
-  lm_head.weight when the embeddings are tied, are not parameters and are passed over."""
+  lm_head.weight when the embeddings are tied, are not parameters and are passed over.
+
+  `place(path, leaf)`, when given, takes each leaf as soon as it is converted, before the next
+  tensor is read, and its result is the leaf kept (a device array, say)."""
   table = rules(config)
   shapes = param_shapes(config)
   expected = {theirs: keymap.their_shape(layout, shapes[ours]) for ours, theirs, layout in table}
@@ -103,8 +110,12 @@ def to_params(tensors: Mapping[str, np.ndarray], config: DecoderConfig, *,
     raise UserError(f'the tensors do not fit a {config.model_type} decoder: ' +
                     '; '.join(problems))
   read = lambda name: np.asarray(tensors[name]).astype(dtype)
-  flat = keymap.to_ours([r for r in table if not _is_kv(r[0])], read, config.num_heads)
-  flat.update(keymap.to_ours([r for r in table if _is_kv(r[0])], read, config.num_kv_heads))
+  place = place or (lambda path, leaf: leaf)
+  flat = {}
+  for rule in table:
+    heads = config.num_kv_heads if _is_kv(rule[0]) else config.num_heads
+    (path, leaf), = keymap.to_ours([rule], read, heads).items()
+    flat[path] = place(path, leaf)
   return tree_lib.unflatten({path: flat[path] for path in shapes})
 
 
@@ -144,14 +155,35 @@ class _Tensor:
     return x if dtype is None else x.astype(dtype)
 
 
-def load(path: str, *, dtype: Any = np.float32) -> tuple[DecoderConfig, dict]:
+def load(path: str, *, dtype: Any = np.float32, mesh: Mesh | None = None,
+         sharding_rules: Sequence[tuple[str, Sequence[str | None]]] | None = None
+         ) -> tuple[DecoderConfig, dict]:
   """(config, params) of a Hugging Face causal-LM directory (config.json and safetensors,
-  single or sharded), each tensor read from disk only when it is converted."""
+  single or sharded), each tensor read from disk only when it is converted.
+
+  Without a mesh the params are numpy arrays on the host. With one, each leaf is checked and
+  placed on the mesh as soon as it is converted, split as `sharding_rules` (the 'fsdp+tp'
+  preset's logical rules by default, which use whichever axes the mesh has) say: the host
+  holds one tensor at a time, and each device only its own shards."""
   checkpoint = hf.Checkpoint(path)
   config = DecoderConfig.from_hf(checkpoint.config)
-  params = to_params(_Lazy(checkpoint), config, dtype=dtype)
-  tree_lib.check_finite(params, path)
-  return config, params
+  if mesh is None:
+    params = to_params(_Lazy(checkpoint), config, dtype=dtype)
+    tree_lib.check_finite(params, path)
+    return config, params
+  rules = sharding.logical_rules('fsdp+tp') if sharding_rules is None else sharding_rules
+  shapes = tree_lib.unflatten({p: jax.ShapeDtypeStruct(s, dtype)
+                               for p, s in param_shapes(config).items()})
+  shardings = tree_lib.flatten(sharding.param_shardings(mesh, shapes, rules))
+
+  def place(leaf_path: str, leaf: np.ndarray) -> jax.Array:
+    tree_lib.check_finite({leaf_path: leaf}, path)
+    # Each device copies only its own slice; in a multi-process run every process reads the
+    # file and fills its own devices.
+    return jax.make_array_from_callback(leaf.shape, shardings[leaf_path],
+                                        lambda index: leaf[index])
+
+  return config, to_params(_Lazy(checkpoint), config, dtype=dtype, place=place)
 
 
 def export(params: Any, config: DecoderConfig, directory: str, *,
