@@ -25,7 +25,6 @@ and `...lora_B.weight` (outputs × r), and a module saved whole (`modules_to_sav
 
 import math
 import re
-from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -53,6 +52,10 @@ def matrix_shape(path: str, shape: tuple[int, ...]) -> tuple[int, int]:
 @flax.struct.dataclass
 class LowRank:
   """One kernel's delta as LoRA factors, never multiplied out until `dense` is asked for.
+
+  The one type for a pair of LoRA factors, as every pair has B, A and a scale s: a LoRA task
+  vector's leaf, a PEFT adapter's module (s = α/r) and a truncated SVD's factors (s = 1) are
+  each a LowRank, and the kernel's shape lets any of them be laid out as a kernel (`dense`).
 
   Attributes:
     b: B, (outputs, r).
@@ -88,12 +91,6 @@ class LowRank:
                    self.shape)
 
 
-class Factors(NamedTuple):
-  a: np.ndarray  # (r, inputs)
-  b: np.ndarray  # (outputs, r)
-  energy: float  # the share of ‖ΔW‖²_F that B A keeps
-
-
 @settings.declare(
     rank=settings.integer(16, '[1, inf)', 'the most singular values kept per matrix, r'),
     sv_epsilon=settings.number(0.0, '[0, inf)', 'singular values at or below it are dropped '
@@ -102,8 +99,9 @@ class Factors(NamedTuple):
                            'kept, with the fewest singular values (1: up to rank)'),
     distribute_scale=settings.flag(True, 'split Σ between A and B as Σ^½ each; else into A'))
 def factor(delta: np.ndarray, *, rank: int, sv_epsilon: float, energy: float,
-           distribute_scale: bool, name: str = 'a matrix') -> Factors:
-  """The truncated factors of one (outputs, inputs) delta, in float32."""
+           distribute_scale: bool, name: str = 'a matrix') -> tuple[LowRank, float]:
+  """The truncated factors of one (outputs, inputs) delta, in float32 at s = 1 (its kernel
+  (inputs, outputs)), and the share of ‖ΔW‖²_F that B A keeps."""
   if delta.ndim != 2:
     raise UserError(f'{name}: a LoRA factors a matrix; it is {delta.ndim}-D {delta.shape}')
   if rank > min(delta.shape):
@@ -121,7 +119,9 @@ def factor(delta: np.ndarray, *, rank: int, sv_epsilon: float, energy: float,
   root = np.sqrt(s[:r])
   a_scale, b_scale = (root, root) if distribute_scale else (s[:r], np.ones(r, np.float32))
   kept = float(np.sum(np.square(s[:r], dtype=np.float64)) / total) if total > 0 else 1.0
-  return Factors(a_scale[:, None] * vt[:r], u[:, :r] * b_scale[None, :], kept)
+  factors = LowRank(u[:, :r] * b_scale[None, :], a_scale[:, None] * vt[:r],
+                    np.ones((), np.float32), delta.shape[::-1])
+  return factors, kept
 
 
 def lora_keys(module: str) -> tuple[str, str]:

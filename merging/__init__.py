@@ -7,7 +7,8 @@ merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging
 coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
 settings are declared beside its function (`editing.settings`), and so is what a sparsifying
 method keeps of each vector (`merging.sparsity`), which the in-memory and the streamed merges
-both read.
+both read. A method mergekit has carries its translation (`Method.mergekit`: mergekit's names,
+parameters and defaults onto ours, `merging.translation`), which the YAML reader looks up.
 
 LoRA task vectors are merged by every method as their dense ΔW = s·B A, and as factors by the
 LoRA-space methods (KnOTS, LoRM, PEFT's combinations), whose merges stay LoRA vectors.
@@ -19,7 +20,7 @@ the polar factor) live in `merging.ops`; LiNeS (`merging.lines`) rescales any me
 import dataclasses
 import functools
 import inspect
-from typing import Callable
+from typing import Callable, Mapping
 
 import ml_collections
 
@@ -30,6 +31,7 @@ from merging import adamerging
 from merging import arcee_fusion
 from merging import averaging
 from merging import breadcrumbs
+from merging import cart
 from merging import consensus
 from merging import dam
 from merging import dare
@@ -57,6 +59,8 @@ from merging import task_arithmetic
 from merging import ties
 from merging import tsv_m
 from merging import wudi
+from merging.translation import gta
+from merging.translation import Translation
 
 # What a method may read besides the task vectors, passed as keyword arguments: a PRNG key,
 # θ0, the plain model apply_fn(params, images), per-task data (`common.TaskData`), and the
@@ -97,6 +101,8 @@ class Method:
   # What a checkpoint merge writes: 'weights', θ0 + λ·τ_m in the plan's dtype; or 'delta',
   # τ_m itself in float32.
   writes: str = 'weights'
+  # The mergekit merge_methods it runs, by mergekit's name (`merging.mergekit` reads them).
+  mergekit: Mapping[str, Translation] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -127,14 +133,31 @@ _SPHERICAL = dict(reads=('theta0',), scaled=False, whole_tensor=True, elementwis
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
 _DAM = dict(_LEARNED, section='dam')
 _LOW_RANK = dict(low_rank=True, whole_tensor=True, elementwise=False)
+# mergekit's defaults shared by its methods: DARE's and DELLA's L1 rescale, Breadcrumbs' band.
+_L1 = {'rescale': 'l1_norm'}
+_CRUMBS = dict(normalize=False, top=0.0, bottom=0.0)
 
 REGISTRY: dict[str, Method] = {
     'averaging': Method(averaging.merge, scaled=False),
-    'task_arithmetic': Method(task_arithmetic.merge),
-    'ties': Method(ties.merge, sparsity=ties.sparsity, lambda_max=2.0, per_vector=('density',)),
+    'task_arithmetic': Method(task_arithmetic.merge, mergekit={
+        'linear': Translation({'normalize': True}, ('normalize',), ('weight',), base='none'),
+        'task_arithmetic': Translation({'normalize': False}, ('normalize', 'lambda'),
+                                       ('weight',))}),
+    'ties': Method(ties.merge, sparsity=ties.sparsity, lambda_max=2.0, per_vector=('density',),
+                   mergekit={'ties': gta((), 'density', normalize=True, scope='tensor',
+                                         density=1.0)}),
     'dare': Method(dare.merge, reads=('key',), sparsity=dare.sparsity,
-                   per_vector=('p', 'density')),
-    'breadcrumbs': Method(breadcrumbs.merge, sparsity=breadcrumbs.sparsity, lambda_max=2.0),
+                   per_vector=('p', 'density'), mergekit={
+                       'dare_ties': gta((), 'p', then='ties', density=1.0, scope='tensor',
+                                        normalize=False, p=0.0, **_L1),
+                       'dare_linear': gta((), 'p', then='task_arithmetic', normalize=False,
+                                          p=0.0, scope='tensor', **_L1)}),
+    'breadcrumbs': Method(breadcrumbs.merge, sparsity=breadcrumbs.sparsity, lambda_max=2.0,
+                          mergekit={
+                              'breadcrumbs': gta(('gamma',), 'band', elect_sign=False,
+                                                 **_CRUMBS),
+                              'breadcrumbs_ties': gta(('gamma',), 'band', elect_sign=True,
+                                                      **_CRUMBS)}),
     'consensus': Method(consensus.merge),
     'magmax': Method(magmax.merge),
     # The SVD-era merges: each matrix is decomposed whole.
@@ -145,23 +168,42 @@ REGISTRY: dict[str, Method] = {
     'iso_cts': Method(iso_cts.merge, whole_tensor=True, elementwise=False,
                      lambda_max=3.0),
     'wudi': Method(wudi.merge, scaled=False, whole_tensor=True, elementwise=False),
+    # CART truncates each centred vector: applied as it is, its λ inside (`prior`).
+    'cart': Method(cart.merge, scaled=False, whole_tensor=True, elementwise=False),
     'model_stock': Method(model_stock.merge, scaled=False, whole_tensor=True,
-                          elementwise=False),
+                          elementwise=False, mergekit={
+                              'model_stock': Translation({'clip': False}, ('filter_wise',))}),
     # mergekit's methods: DELLA and SCE sparsify as TIES does, the spherical interpolations
     # take the models' weights (or their task vectors) whole and are applied as they are.
     'della': Method(della.merge, reads=('key',), whole_tensor=True, elementwise=False,
-                    lambda_max=3.0, per_vector=('density', 'epsilon')),
-    'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0),
-    'slerp': Method(slerp.merge, vectors=1, **_SPHERICAL),
-    'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL),
-    'multislerp': Method(multislerp.merge, **_SPHERICAL),
-    'karcher': Method(karcher.merge, **_SPHERICAL),
-    'nearswap': Method(nearswap.merge, vectors=1, scaled=False),
+                    lambda_max=3.0, per_vector=('density', 'epsilon'), mergekit={
+                        'della': gta(('epsilon',), 'density', elect_sign=True, normalize=True,
+                                     density=1.0, epsilon=0.15, **_L1),
+                        'della_linear': gta(('epsilon',), 'density', elect_sign=False,
+                                            normalize=False, density=1.0, epsilon=0.15,
+                                            **_L1)}),
+    'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0,
+                  mergekit={'sce': Translation({'select_topk': 1.0},
+                                               ('select_topk', 'int8_mask'))}),
+    'slerp': Method(slerp.merge, vectors=1, **_SPHERICAL,
+                    mergekit={'slerp': Translation({}, ('t',), required=('t',))}),
+    'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL, mergekit={
+        'nuslerp': Translation({'flatten': True, 'row_wise': False},
+                               ('nuslerp_flatten', 'nuslerp_row_wise'), ('weight',),
+                               base='optional')}),
+    'multislerp': Method(multislerp.merge, **_SPHERICAL, mergekit={
+        'multislerp': Translation({}, ('normalize_weights',), ('weight',), base='optional')}),
+    'karcher': Method(karcher.merge, **_SPHERICAL, mergekit={
+        'karcher': Translation({'max_iter': 10, 'tol': 1e-5, 'task_space': False},
+                               ('max_iter', 'tol'), base='averaged')}),
+    'nearswap': Method(nearswap.merge, vectors=1, scaled=False,
+                       mergekit={'nearswap': Translation({}, ('t',), required=('t',))}),
     # One fine-tuned model's vector negated (θ0 − λ·τ_1), or written as it is (τ_1).
     'negation': Method(negation.merge, vectors=1),
     'extract': Method(extract.merge, vectors=1, scaled=False, writes='delta'),
     'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
-                           whole_tensor=True, elementwise=False),
+                           whole_tensor=True, elementwise=False,
+                           mergekit={'arcee_fusion': Translation({})}),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel (its merge is a
     # disjoint mean, like TIES', and chose λ at the top of a grid to 2); PEFT's
     # add_weighted_adapter combines their factors (merging/peft_combinations.py).

@@ -24,18 +24,18 @@ def low_rank(rng, shape, rank, scales):
 def test_factors_rebuild_the_truncated_svd_and_report_the_energy_kept():
   rng = np.random.default_rng(0)
   delta = low_rank(rng, (12, 9), 3, [4.0, 2.0, 1.0]).astype(np.float32)
-  exact = lora.factor(delta, **{**DEFAULTS, 'rank': 3})
+  exact, energy = lora.factor(delta, **{**DEFAULTS, 'rank': 3})
   np.testing.assert_allclose(exact.b @ exact.a, delta, atol=1e-5)
-  assert exact.energy == pytest.approx(1.0)
+  assert energy == pytest.approx(1.0) and exact.shape == (9, 12) and exact.scale == 1
   # Σ^½ on each side: the columns of B and the rows of A have the same norms, √σ.
   np.testing.assert_allclose(np.linalg.norm(exact.b, axis=0), np.sqrt([4, 2, 1]), rtol=1e-5)
   np.testing.assert_allclose(np.linalg.norm(exact.a, axis=1), np.sqrt([4, 2, 1]), rtol=1e-5)
-  two = lora.factor(delta, **{**DEFAULTS, 'rank': 2})
-  assert two.a.shape == (2, 9) and two.energy == pytest.approx(20 / 21)
+  two, energy = lora.factor(delta, **{**DEFAULTS, 'rank': 2})
+  assert two.a.shape == (2, 9) and energy == pytest.approx(20 / 21)
   # The fewest singular values holding 95% of σ² = (16, 4, 1): two of them (20/21 ≥ 0.95).
-  assert lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'energy': 0.95}).a.shape[0] == 2
-  assert lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'sv_epsilon': 1.5}).a.shape[0] == 2
-  undistributed = lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'distribute_scale': False})
+  assert lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'energy': 0.95})[0].rank == 2
+  assert lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'sv_epsilon': 1.5})[0].rank == 2
+  undistributed, _ = lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'distribute_scale': False})
   np.testing.assert_allclose(np.linalg.norm(undistributed.b, axis=0), 1.0, rtol=1e-5)
   np.testing.assert_allclose(undistributed.b @ undistributed.a, delta, atol=1e-5)
 

@@ -24,7 +24,6 @@ import math
 import os
 import re
 import threading
-from typing import NamedTuple
 
 import numpy as np
 
@@ -110,15 +109,10 @@ def _rules(family, model: dict) -> dict[str, tuple[str, str]]:
           for ours, theirs, layout in keymap.expand(family.rules, model['depth'])}
 
 
-class Factors(NamedTuple):
-  a: np.ndarray  # (r, inputs)
-  b: np.ndarray  # (outputs, r)
-  scale: float
-
-
-def factors(directory: str) -> tuple[dict[str, Factors], dict[str, str]]:
+def factors(directory: str) -> tuple[dict[str, LowRank], dict[str, str]]:
   """({weight name: its factors}, the file's metadata) of the adapter in `directory`, a
-  module's weight named as in the base model's own checkpoint (`<module>.weight`)."""
+  module's weight named as in the base model's own checkpoint (`<module>.weight`); each
+  kernel's shape is its weight's (outputs, inputs) transposed."""
   if os.path.exists(os.path.join(directory, 'adapter_model.bin')) and \
       not os.path.exists(os.path.join(directory, ADAPTER)):
     raise UserError(f'{directory}: adapter_model.bin is a pickle, which is never unpickled '
@@ -156,8 +150,8 @@ def factors(directory: str) -> tuple[dict[str, Factors], dict[str, str]]:
     alpha = _pattern(adapter.get('alpha_pattern') or {}, module) or adapter['lora_alpha']
     if a.shape[0] != rank:
       raise UserError(f'{directory}: {module} has rank {a.shape[0]}, its config says {rank}')
-    found[module + '.weight'] = Factors(
-        a, b, alpha / (math.sqrt(rank) if adapter.get('use_rslora') else rank))
+    scale = alpha / (math.sqrt(rank) if adapter.get('use_rslora') else rank)
+    found[module + '.weight'] = LowRank(b, a, np.float32(scale), (a.shape[1], b.shape[0]))
   if not found:
     raise UserError(f'{directory}: {ADAPTER} holds no LoRA factor')
   _check_targets(directory, adapter, [w[:-len('.weight')] for w in found])
@@ -173,7 +167,7 @@ def read(directory: str, family, model: dict, theta0) -> TaskVector:
                     f'and this base is {base}')
   rules, shapes = _rules(family, model), tree_lib.flatten(theta0)
   delta = {}
-  for weight, (a, b, scale) in found.items():
+  for weight, f in found.items():
     ours = weight[len(family.prefix):] if family.prefix and weight.startswith(family.prefix) \
         else weight
     if ours not in rules or rules[ours][1] not in _LAYOUTS:
@@ -182,11 +176,11 @@ def read(directory: str, family, model: dict, theta0) -> TaskVector:
     path, layout = rules[ours]
     shape = np.shape(shapes[path])
     outputs, inputs = keymap.their_shape(layout, shape)
-    if a.shape[1] != inputs or b.shape[0] != outputs:
-      raise UserError(f'{directory}: {weight[:-len(".weight")]} has factors A {a.shape} and B '
-                      f'{b.shape}, and the base layer is {outputs} × {inputs}: an adapter for '
+    if f.a.shape[1] != inputs or f.b.shape[0] != outputs:
+      raise UserError(f'{directory}: {weight[:-len(".weight")]} has factors A {f.a.shape} and B '
+                      f'{f.b.shape}, and the base layer is {outputs} × {inputs}: an adapter for '
                       'another base')
-    delta[path] = LowRank(b, a, np.float32(scale), shape)
+    delta[path] = f.replace(shape=shape)
   return TaskVector(delta, (os.path.basename(os.path.normpath(directory)),), 'lora', base)
 
 
@@ -226,7 +220,7 @@ def tensors_and_config(modules: dict[str, LowRank], base_path: str,
                          alpha_pattern={m: a for m, a in alphas.items() if a != alpha})
 
 
-def factors_over(base, directory: str) -> dict[str, Factors]:
+def factors_over(base, directory: str) -> dict[str, LowRank]:
   """The factors of the adapter in `directory`, each checked to make a delta of its weight's
   shape in `base` (an hf.Checkpoint): an adapter for another base is refused by name."""
   found, _ = factors(directory)

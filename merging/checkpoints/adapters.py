@@ -11,7 +11,6 @@ import numpy as np
 
 import merging
 from editing.errors import UserError
-from editing.lora import LowRank
 from editing.models import peft_adapter
 from editing.task_vector import TaskVector
 
@@ -27,13 +26,8 @@ def write(base, adapters, directory: str, plan, base_path: str) -> dict:
     if factors.keys() != found[0].keys():
       raise UserError(f'{path} adapts other modules than {adapters[0]}: '
                       f'{sorted(factors.keys() ^ found[0].keys())[:3]}')
-  vectors = []
-  for path, factors in zip(adapters, found):
-    delta = {}
-    for weight, (a, b, scale) in factors.items():
-      # The kernel's shape (inputs, outputs), as the base's weight (outputs, inputs) transposed.
-      delta[weight[:-len('.weight')]] = LowRank(b, a, np.float32(scale), (a.shape[1], b.shape[0]))
-    vectors.append(TaskVector(delta, (path,), 'lora', base_path))
+  vectors = [TaskVector({weight[:-len('.weight')]: f for weight, f in factors.items()}, (path,),
+                        'lora', base_path) for path, factors in zip(adapters, found)]
   method = merging.get(plan.method)
   extra = {'key': jax.random.PRNGKey(plan.seed)} if 'key' in method.reads else {}
   if plan.weights is not None:

@@ -85,10 +85,11 @@ def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dic
     name = parameters['weight']
     delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
     embedding = _embedding(module)
-    factors = lora.factor(delta.T if embedding else delta, name=name, **factor_settings)
+    factors, energies[module] = lora.factor(delta.T if embedding else delta, name=name,
+                                            **factor_settings)
     key_a, key_b = (lora.embedding_keys if embedding else lora.lora_keys)(module)
     tensors[key_a], tensors[key_b] = factors.a, factors.b
-    ranks[module], energies[module] = factors.a.shape[0], factors.energy
+    ranks[module] = factors.rank
   if not ranks:
     raise UserError(f'{base.path}: no linear layer (2-D weight) to factor')
   rank = max(ranks.values())

@@ -1,114 +1,50 @@
 """mergekit's methods as `merging`'s, and their parameters in `merging`'s settings.
 
-`TRANSLATIONS` is plain data keyed by the method of `merging` that runs each mergekit
-merge_method: {our method: {mergekit name: Translation}}, with mergekit's own defaults for it
-(generalized_task_arithmetic.py, registry.py and each method's file, as mergekit 0.1.5 has
-them). Each inner mapping is what a registry entry of `merging` would hold as one field
-(`Method.mergekit`). `METHODS` is the same table by mergekit's name. `place` translates one
-parameter's value into our settings, value by value where it varies by tensor
+Each registry entry of `merging` holds the mergekit merge_methods it runs (`Method.mergekit`,
+a `merging.translation.Translation` each): `lookup` scans the registry for a mergekit name's
+method and Translation, and `METHODS` lists every name. `place` translates one parameter's
+value into our settings, value by value where it varies by tensor
 (`merging.checkpoints.layered`).
 """
 
-import dataclasses
 from typing import Any, Callable
 
 import merging
 from editing.errors import UserError
 from merging.checkpoints import layered
+from merging.translation import Translation
 
 
-@dataclasses.dataclass(frozen=True)
-class Translation:
-  """How one mergekit method maps onto a method of `merging`.
-
-  Attributes:
-    ours: the method of `merging` it runs.
-    settings: its settings at mergekit's defaults for this method.
-    parameters: the global parameters mergekit reads for it (`lambda` is the recipe's scale).
-    model_parameters: the per-model ones (`weight` is the recipe's weights; the others differ
-      between models only where the method takes them per vector).
-    base: 'required' (task vectors against base_model), 'optional' (the task vectors given a
-      base_model, else the models' weights: task_space), 'averaged' (the base is one of the
-      models averaged, as mergekit's Karcher mean takes every model it is given), or 'none'
-      (the models listed are merged, base_model unread: `linear`).
-    required: the parameters mergekit requires.
-    density_as: where mergekit's density d goes: 'density' (our density, the share kept), 'p'
-      (DARE's drop probability 1 − d), 'band' (Breadcrumbs' top and bottom, of d and gamma
-      together) or None (the method has none).
-  """
-
-  ours: str
-  settings: dict
-  parameters: tuple[str, ...] = ()
-  model_parameters: tuple[str, ...] = ()
-  base: str = 'required'
-  required: tuple[str, ...] = ()
-  density_as: str | None = None
+def _translations() -> list[tuple[str, str, Translation]]:
+  """(mergekit's name, the method of `merging` that runs it, how) for every one read here."""
+  return [(name, ours, translation) for ours, method in merging.REGISTRY.items()
+          for name, translation in method.mergekit.items()]
 
 
-def _gta(ours: str, sparsifier: tuple[str, ...], density_as: str,
-         **settings) -> Translation:
-  """A sparsifying method of mergekit's generalized task arithmetic (normalize, rescale and
-  lambda global; weight, density and the sparsifier's own per model)."""
-  return Translation(ours, settings, ('normalize', 'rescale', 'lambda', 'int8_mask'),
-                     ('weight', 'density') + sparsifier, density_as=density_as)
-
-
-_L1 = {'rescale': 'l1_norm'}
-_CRUMBS = dict(normalize=False, top=0.0, bottom=0.0)
-TRANSLATIONS = {
-    'task_arithmetic': {
-        'linear': Translation('task_arithmetic', {'normalize': True}, ('normalize',),
-                              ('weight',), base='none'),
-        'task_arithmetic': Translation('task_arithmetic', {'normalize': False},
-                                       ('normalize', 'lambda'), ('weight',))},
-    'ties': {'ties': _gta('ties', (), 'density', normalize=True, scope='tensor', density=1.0)},
-    'dare': {
-        'dare_ties': _gta('dare', (), 'p', then='ties', density=1.0, scope='tensor',
-                          normalize=False, p=0.0, **_L1),
-        'dare_linear': _gta('dare', (), 'p', then='task_arithmetic', normalize=False, p=0.0,
-                            scope='tensor', **_L1)},
-    'breadcrumbs': {
-        'breadcrumbs': _gta('breadcrumbs', ('gamma',), 'band', elect_sign=False, **_CRUMBS),
-        'breadcrumbs_ties': _gta('breadcrumbs', ('gamma',), 'band', elect_sign=True,
-                                 **_CRUMBS)},
-    'della': {
-        'della': _gta('della', ('epsilon',), 'density', elect_sign=True, normalize=True,
-                      density=1.0, epsilon=0.15, **_L1),
-        'della_linear': _gta('della', ('epsilon',), 'density', elect_sign=False,
-                             normalize=False, density=1.0, epsilon=0.15, **_L1)},
-    'sce': {'sce': Translation('sce', {'select_topk': 1.0}, ('select_topk', 'int8_mask'))},
-    'model_stock': {'model_stock': Translation('model_stock', {'clip': False},
-                                               ('filter_wise',))},
-    'slerp': {'slerp': Translation('slerp', {}, ('t',), required=('t',))},
-    'nuslerp': {'nuslerp': Translation('nuslerp', {'flatten': True, 'row_wise': False},
-                                       ('nuslerp_flatten', 'nuslerp_row_wise'), ('weight',),
-                                       base='optional')},
-    'multislerp': {'multislerp': Translation('multislerp', {}, ('normalize_weights',),
-                                             ('weight',), base='optional')},
-    'karcher': {'karcher': Translation('karcher', {'max_iter': 10, 'tol': 1e-5,
-                                                   'task_space': False},
-                                       ('max_iter', 'tol'), base='averaged')},
-    'nearswap': {'nearswap': Translation('nearswap', {}, ('t',), required=('t',))},
-    'arcee_fusion': {'arcee_fusion': Translation('arcee_fusion', {})},
-}
-METHODS = {name: t for by_name in TRANSLATIONS.values() for name, t in by_name.items()}
+# The merge_methods read here besides passthrough, which the reader takes apart.
+METHODS = tuple(name for name, _, _ in _translations())
 # Every parameter some method reads: one the recipe's method does not is ignored, with a warning.
-KNOWN = sorted({p for m in METHODS.values() for p in m.parameters + m.model_parameters})
+KNOWN = sorted({p for _, _, t in _translations() for p in t.parameters + t.model_parameters})
 
 
-def place(key: str, spec: Any, method: Translation, path: str, settings: dict,
+def lookup(name: str) -> tuple[str, Translation]:
+  """The method of `merging` that runs mergekit's merge_method `name` (one of METHODS), and
+  its Translation."""
+  return next((ours, t) for known, ours, t in _translations() if known == name)
+
+
+def place(key: str, spec: Any, ours: str, method: Translation, path: str, settings: dict,
           varying: dict) -> None:
   """Parameter `key`'s value in `settings`, or, where it varies by tensor, in `varying` as
-  the setting it translates to, translated value by value."""
+  the setting it translates to (for our method `ours`), translated value by value."""
   if layered.is_scalar(spec):
-    _TRANSLATE[key](settings, spec, method, path)
+    _TRANSLATE[key](settings, spec, ours, method, path)
     return
   translated = {}
 
   def one(value):
     placed = {}
-    _TRANSLATE[key](placed, value, method, path)
+    _TRANSLATE[key](placed, value, ours, method, path)
     if len(placed) != 1:
       raise UserError(f'{path}: {key} cannot vary by layer or module here')
     (setting, result), = placed.items()
@@ -119,8 +55,8 @@ def place(key: str, spec: Any, method: Translation, path: str, settings: dict,
   varying[translated['setting']] = varying_spec
 
 
-def place_per_model(key: str, specs: list, method: Translation, path: str, settings: dict,
-                    varying: dict, per_model: dict) -> None:
+def place_per_model(key: str, specs: list, ours: str, method: Translation, path: str,
+                    settings: dict, varying: dict, per_model: dict) -> None:
   """Parameter `key`, different between the models, as the setting it translates to given
   per model (its layered values as '<setting>.<i>'); a model that does not give it takes
   mergekit's default."""
@@ -129,16 +65,16 @@ def place_per_model(key: str, specs: list, method: Translation, path: str, setti
   for spec in specs:
     placed, layered_value = {}, {}
     if spec is not None:
-      place(key, spec, method, path, placed, layered_value)
+      place(key, spec, ours, method, path, placed, layered_value)
     if len(placed) + len(layered_value) > 1:
       raise UserError(f'{path}: {key} cannot differ between models here')
     (name, value), = (placed or layered_value or {None: None}).items()
     if name is not None:
       setting = setting or name
     values.append((value, bool(layered_value)))
-  if setting is None or setting not in merging.get(method.ours).per_vector:
+  if setting is None or setting not in merging.get(ours).per_vector:
     raise UserError(f'{path}: the models have different values of {key} ({specs}); '
-                    f'{method.ours} takes one {key} for all models')
+                    f'{ours} takes one {key} for all models')
   per_model[setting] = [settings[setting] if v is None or is_layered else v
                         for v, is_layered in values]
   for i, (value, is_layered) in enumerate(values):
@@ -146,11 +82,12 @@ def place_per_model(key: str, specs: list, method: Translation, path: str, setti
       varying[f'{setting}.{i}'] = value
 
 
-def _density(settings: dict, density: float, method: Translation, path: str) -> None:
+def _density(settings: dict, density: float, ours: str, method: Translation,
+             path: str) -> None:
   """mergekit's density d (the share kept), in the setting the method takes it as (a band's
-  is placed with gamma by the reader)."""
-  if not 0 < density <= 1:
-    raise UserError(f'{path}: density = {density} must be in (0, 1]')
+  is placed with gamma by the reader). d is checked against our own density, also the share
+  kept, as the method declares it (each with density_as 'density' or 'p' declares one)."""
+  merging.get(ours).settings['density'].check(density, f'{path}: density')
   if method.density_as == 'p':
     settings['p'] = 1.0 - density
   elif method.density_as == 'density':
@@ -165,32 +102,32 @@ def band(density: float, gamma: float) -> dict:
   return {'top': gamma, 'bottom': 0.0, 'density': density}
 
 
-def _flag(ours: str) -> Callable:
-  def translate(settings: dict, value: Any, method: Translation, path: str) -> None:
-    settings[ours] = boolean(value, path, ours)
+def _flag(setting: str) -> Callable:
+  def translate(settings: dict, value: Any, ours: str, method: Translation, path: str) -> None:
+    settings[setting] = boolean(value, path, setting)
   return translate
 
 
-def _rescale(settings: dict, value: Any, method: Translation, path: str) -> None:
+def _rescale(settings: dict, value: Any, ours: str, method: Translation, path: str) -> None:
   """rescale: mergekit's L1-norm rescale of the sparsified deltas, where the method has one."""
   wanted = boolean(value, path, 'parameters.rescale')
   if wanted != ('rescale' in method.settings):
     raise UserError(f'{path}: parameters.rescale = {value} is not supported here for '
-                    f'{method.ours} (rescale is {"rescale" in method.settings} for it)')
+                    f'{ours} (rescale is {"rescale" in method.settings} for it)')
 
 
 def _only(default: Any) -> Callable:
   """A parameter supported at mergekit's default alone."""
-  def translate(settings: dict, value: Any, method: Translation, path: str) -> None:
+  def translate(settings: dict, value: Any, ours: str, method: Translation, path: str) -> None:
     if value != default:
       raise UserError(f'{path}: {value!r} is not supported here for this parameter of '
-                      f'{method.ours}; only mergekit\'s default {default!r}')
+                      f'{ours}; only mergekit\'s default {default!r}')
   return translate
 
 
-def _setting(ours: str, convert: Callable = float) -> Callable:
-  def translate(settings: dict, value: Any, method: Translation, path: str) -> None:
-    settings[ours] = convert(number(value, path, f'parameters.{ours}'))
+def _setting(setting: str, convert: Callable = float) -> Callable:
+  def translate(settings: dict, value: Any, ours: str, method: Translation, path: str) -> None:
+    settings[setting] = convert(number(value, path, f'parameters.{setting}'))
   return translate
 
 

@@ -39,6 +39,7 @@ from editing.errors import UserError
 from merging.checkpoints import layered
 from merging.checkpoints import sliced
 from merging.mergekit import methods
+from merging.translation import Translation
 
 _TOP_KEYS = ('models', 'slices', 'merge_method', 'base_model', 'parameters', 'dtype',
              'tokenizer_source')
@@ -66,22 +67,22 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
   if tokenizer not in (None, 'base') and tokenizer != doc.get('base_model'):
     raise UserError(f'{path}: tokenizer_source = {tokenizer!r}: the output takes the base '
                     "model's tokenizer here ('base'); a union or another model's is not built")
-  method = methods.METHODS[name]
+  ours, method = methods.lookup(name)
   given = doc.get('parameters') or {}
   _check_keys(given, methods.KNOWN, path, 'parameters.')
-  base, models = _models(doc, method, path)
+  base, models = _models(doc, ours, method, path)
   missing = [key for key in method.required if key not in given]
   if missing:
     raise UserError(f'{path}: {name} requires parameters.{", parameters.".join(missing)}')
   per_model = _per_model(given, models, method, path, name)
-  settings, varying, per_model_settings = _settings(given, per_model, method, path)
+  settings, varying, per_model_settings = _settings(given, per_model, ours, method, path)
   if method.base == 'optional':
     settings['task_space'] = bool(doc.get('base_model'))
   _check_exists(base, path, 'base_model')
   for i, entry in models:
     _check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
   weights = _weights(per_model.get('weight', []), path, varying)
-  if weights is not None and settings.get('normalize') and method.ours == 'task_arithmetic' \
+  if weights is not None and settings.get('normalize') and ours == 'task_arithmetic' \
       and not any(f.startswith('weights.') for f in varying) and sum(weights) == 0:
     raise UserError(f'{path}: parameters.weight of the models sum to 0 ({list(weights)}); '
                     f'{name} divides by their sum')
@@ -93,11 +94,11 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
     else:
       varying['scale'] = value
   return dict(base=str(base), models=tuple(str(entry['model']) for _, entry in models),
-              method=method.ours, settings=settings, per_model=per_model_settings,
+              method=ours, settings=settings, per_model=per_model_settings,
               layered=varying, slices=slices, weights=weights, scale=scale, tokenizer=None)
 
 
-def _per_model(given: dict, models: list, method: 'methods.Translation', path: str,
+def _per_model(given: dict, models: list, method: Translation, path: str,
                name: str) -> dict[str, list]:
   """Each per-model parameter's value for every model: its own, else the global one, else
   None (mergekit's default)."""
@@ -122,7 +123,7 @@ def _per_model(given: dict, models: list, method: 'methods.Translation', path: s
   return per_model
 
 
-def _settings(given: dict, per_model: dict, method: 'methods.Translation',
+def _settings(given: dict, per_model: dict, ours: str, method: Translation,
               path: str) -> tuple[dict, dict, dict]:
   """Our settings, the values that vary by tensor, and the settings given per model."""
   values, differing = {}, {}
@@ -140,10 +141,10 @@ def _settings(given: dict, per_model: dict, method: 'methods.Translation',
   for key, spec in values.items():
     if method.density_as == 'band' and key in ('density', 'gamma'):
       continue
-    methods.place(key, spec, method, path, settings, varying)
+    methods.place(key, spec, ours, method, path, settings, varying)
   per_model_settings = {}
   for key, specs in differing.items():
-    methods.place_per_model(key, specs, method, path, settings, varying, per_model_settings)
+    methods.place_per_model(key, specs, ours, method, path, settings, varying, per_model_settings)
   if method.density_as == 'band':
     _band(values.get('density', 1.0), values.get('gamma', 0.01), path, settings, varying)
   return settings, varying, per_model_settings
@@ -271,10 +272,10 @@ def _read(path: str) -> tuple[dict, str]:
   return doc, text
 
 
-def _models(doc: dict, method: 'methods.Translation',
+def _models(doc: dict, ours: str, method: Translation,
             path: str) -> tuple[str, list[tuple[int, dict]]]:
-  """The base checkpoint and the (index, entry) of each model merged against it (index −1:
-  the base itself, where it is averaged in)."""
+  """The base checkpoint and the (index, entry) of each model that `ours` merges against it
+  (index −1: the base itself, where it is averaged in)."""
   base = doc.get('base_model')
   entries = list(enumerate(doc.get('models') or []))
   for i, entry in entries:
@@ -297,7 +298,7 @@ def _models(doc: dict, method: 'methods.Translation',
     base = entries[0][1].get('model')  # the weights' interpolation, against the first model
   if not entries:
     raise UserError(f'{path}: models lists no model to merge')
-  count = merging.get(method.ours).vectors
+  count = merging.get(ours).vectors
   if count is not None and len(entries) != count:
     raise UserError(f'{path}: {doc["merge_method"]} merges {count} model'
                     f'{"s" if count > 1 else ""} besides the base, got {len(entries)}')
