@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
   config.merge = settings.defaults(merge_job.MERGE)
   config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
-                          'tsv_m,iso_c,iso_cts,wudi,model_stock,fisher,regmean,regmean_plusplus,'
+                          'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,regmean_plusplus,'
                           'adamerging_task,adamerging_layer,dam')
 
   # Each method's settings, unset until given (its declared defaults fill them in where it

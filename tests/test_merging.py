@@ -131,6 +131,8 @@ def single_vector_output(name, vector):
     return tau
   if name == 'wudi':  # started at Σ τ_t = τ, where the interference and its gradient are 0
     return tau
+  if name == 'cart':  # one vector is its own average: nothing is left to centre
+    return tau
   if name in ('iso_c', 'iso_cts'):
     # σ̄·UVᵀ of each kernel (the same for W and Wᵀ), biases as they are. Iso-CTS's common
     # subspace (k) and the one task's own (s = r − k) span the whole rank: Iso-C's.
