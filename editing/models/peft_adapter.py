@@ -1,19 +1,23 @@
 """PEFT LoRA adapters in and out: adapter_config.json plus adapter_model.safetensors.
 
-An adapter over a Hugging Face model of a family (`editing.models.hf.FAMILIES`) is read as a
-LoRA task vector: each `base_model.model.<module>.lora_A.weight` (r × inputs) and `lora_B`
-(outputs × r) becomes the `LowRank` of the kernel whose weight is `<module>.weight` in the
-family's key map, with PEFT's scale α/r (α/√r under use_rslora; a module's own r and α from
-rank_pattern and alpha_pattern). PyTorch's (outputs, inputs) is the order `LowRank` keeps, so
-the factors are read and written as they are stored: reading an adapter and writing it back
-gives the same bytes.
+An adapter over a Hugging Face model of a family (`editing.models.hf.FAMILIES`), or over a
+causal LM that the decoder reads (`third_party.hf_decoder`, its model given by its
+DecoderConfig), is read as a LoRA task vector: each `base_model.model.<module>.lora_A.weight`
+(r × inputs) and `lora_B` (outputs × r) becomes the `LowRank` of the kernel whose weight is
+`<module>.weight` in the model's key map, with PEFT's scale α/r (α/√r under use_rslora; a
+module's own r and α from rank_pattern and alpha_pattern). PyTorch's (outputs, inputs) is the
+order `LowRank` keeps, so the factors are read and written as they are stored: reading an
+adapter and writing it back gives the same bytes. So are attention heads: a query, key or value
+kernel (in, heads, dim) is the weight (heads·dim, in) transposed, the output kernel
+(heads, dim, out) the weight (out, heads·dim) transposed (`editing.lora.matrix_shape`).
 
 Refused, each by name: a pickled adapter (adapter_model.bin), another PEFT type, DoRA
-(use_dora), LoRA biases (lora_bias), fan_in_fan_out, embedding LoRA, `modules_to_save` (whole
+(use_dora), LoRA biases (lora_bias), fan_in_fan_out, PEFT's other LoRA variants and settings
+that change the model beyond W + s·B A (`_REFUSED`), embedding LoRA, `modules_to_save` (whole
 modules the task vector would have to hold densely), factors of a module its `target_modules`
-do not match (PEFT would not load them), a module the family's key map does not
-know or lays out in parts, factors whose shapes do not fit the base, and an adapter written here
-for another base (its fingerprint, in the file's metadata).
+do not match (PEFT would not load them), a module the model's key map does not know or lays
+out in parts (nor is a LowRank of such a leaf written), factors whose shapes do not fit the
+base, and an adapter written here for another base (its fingerprint, in the file's metadata).
 
 In a checkpoint merge an adapter directory stands for its fine-tuned model (`Adapted`: the
 base with the adapter merged in), and LoRA-space merges read the adapters' factors alone.
@@ -24,6 +28,7 @@ import math
 import os
 import re
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,7 +38,9 @@ from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.lora import PREFIX, LowRank, lora_keys
 from editing.models import keymap
+from editing.models.decoder_config import DecoderConfig
 from editing.task_vector import TaskVector
+from third_party import hf_decoder
 
 ADAPTER = 'adapter_model.safetensors'
 CONFIG = 'adapter_config.json'
@@ -41,20 +48,29 @@ PT_METADATA = {'format': 'pt'}
 ALL_LINEAR = 'all-linear'  # PEFT's target_modules for every linear layer
 _BASE_KEY = 'editmerge_base'
 _LAYOUTS = ('linear', 'heads_in', 'heads_out')  # those whose ΔK is (B A)ᵀ reshaped
+# Settings under which PEFT's model is not W + s·B A on the adapted layers alone: its layers
+# compute something else (DoRA and the other variants), or the model around them changes.
 _REFUSED = (('use_dora', 'DoRA'), ('lora_bias', 'LoRA biases'),
-            ('fan_in_fan_out', 'fan_in_fan_out (GPT-2 style Conv1D)'))
+            ('fan_in_fan_out', 'fan_in_fan_out (GPT-2 style Conv1D)'),
+            ('alora_invocation_tokens', 'activated LoRA (aLoRA)'),
+            ('use_bdlora', 'block-diagonal LoRA'), ('arrow_config', 'Arrow routing'),
+            ('velora_config', 'VeLoRA'), ('monteclora_config', 'MonteCLoRA'),
+            ('kasa_config', 'KaSA'), ('layer_replication', 'layer replication'),
+            ('target_parameters', 'LoRA on parameters (target_parameters)'),
+            ('trainable_token_indices', 'trainable tokens'))
 
 
 def config(*, rank: int, alpha: float, target_modules, base_path: str,
            rank_pattern: dict | None = None, alpha_pattern: dict | None = None,
-           modules_to_save=None, rslora: bool = False) -> dict:
-  """The adapter_config.json of a LoRA adapter PEFT loads."""
+           modules_to_save=None, rslora: bool = False, task_type: str | None = None) -> dict:
+  """The adapter_config.json of a LoRA adapter PEFT loads; `task_type` chooses the PeftModel
+  class that PeftModel.from_pretrained returns (CAUSAL_LM: one that generates)."""
   return {'peft_type': 'LORA', 'base_model_name_or_path': base_path, 'r': rank,
           'lora_alpha': alpha, 'rank_pattern': rank_pattern or {},
           'alpha_pattern': alpha_pattern or {}, 'target_modules': sorted(target_modules),
           'modules_to_save': modules_to_save or None, 'lora_dropout': 0.0,
           'fan_in_fan_out': False, 'bias': 'none', 'use_rslora': rslora, 'use_dora': False,
-          'inference_mode': True, 'task_type': None}
+          'inference_mode': True, 'task_type': task_type}
 
 
 def save(directory: str, tensors: dict, adapter_config: dict, metadata: dict | None = None):
@@ -103,10 +119,23 @@ def _check_targets(directory: str, adapter: dict, modules: list[str]) -> None:
                   f'{ADAPTER} holds; PEFT would load the adapter without them')
 
 
-def _rules(family, model: dict) -> dict[str, tuple[str, str]]:
-  """{their weight name: (our path, layout)} of the family's key map."""
-  return {theirs: (ours, layout)
-          for ours, theirs, layout in keymap.expand(family.rules, model['depth'])}
+class _KeyMap(NamedTuple):
+  """What reading and writing an adapter needs of a model's key map."""
+  rules: dict[str, tuple[str, str]]  # {their weight name: (our path, layout)}
+  prefix: str  # in task models' checkpoints only, and stripped (e.g. 'bert.')
+  name: str  # the model, in messages
+  task_type: str | None  # PEFT's, written into the adapter's config
+
+
+def _key_map(family, model: dict | None) -> _KeyMap:
+  """The key map of an encoder `family` (hf.FAMILIES) of config.model `model`, or of the
+  decoder when `family` is its DecoderConfig (and `model` None)."""
+  if isinstance(family, DecoderConfig):
+    return _KeyMap({theirs: (ours, layout) for ours, theirs, layout in hf_decoder.rules(family)},
+                   '', f'{family.model_type} decoder', 'CAUSAL_LM')
+  return _KeyMap({theirs: (ours, layout)
+                  for ours, theirs, layout in keymap.expand(family.rules, model['depth'])},
+                 family.prefix, f'{model} model', None)
 
 
 def factors(directory: str) -> tuple[dict[str, LowRank], dict[str, str]]:
@@ -158,22 +187,23 @@ def factors(directory: str) -> tuple[dict[str, LowRank], dict[str, str]]:
   return found, metadata
 
 
-def read(directory: str, family, model: dict, theta0) -> TaskVector:
-  """The LoRA task vector of the adapter in `directory` over θ0, a `family` model of `model`."""
+def read(directory: str, family, model: dict | None, theta0) -> TaskVector:
+  """The LoRA task vector of the adapter in `directory` over θ0: a `family` model of `model`,
+  or the decoder of `family`, its DecoderConfig (`model` None)."""
   found, metadata = factors(directory)
   base = tree_lib.fingerprint(theta0)
   if metadata.get(_BASE_KEY, base) != base:
     raise UserError(f'{directory}: the adapter was written for the base {metadata[_BASE_KEY]}, '
                     f'and this base is {base}')
-  rules, shapes = _rules(family, model), tree_lib.flatten(theta0)
+  names, shapes = _key_map(family, model), tree_lib.flatten(theta0)
   delta = {}
   for weight, f in found.items():
-    ours = weight[len(family.prefix):] if family.prefix and weight.startswith(family.prefix) \
+    ours = weight[len(names.prefix):] if names.prefix and weight.startswith(names.prefix) \
         else weight
-    if ours not in rules or rules[ours][1] not in _LAYOUTS:
+    if ours not in names.rules or names.rules[ours][1] not in _LAYOUTS:
       raise UserError(f'{directory}: {weight[:-len(".weight")]} is not a linear layer of a '
-                      f'{model} model that its key map reads whole')
-    path, layout = rules[ours]
+                      f'{names.name} that its key map reads whole')
+    path, layout = names.rules[ours]
     shape = np.shape(shapes[path])
     outputs, inputs = keymap.their_shape(layout, shape)
     if f.a.shape[1] != inputs or f.b.shape[0] != outputs:
@@ -184,27 +214,34 @@ def read(directory: str, family, model: dict, theta0) -> TaskVector:
   return TaskVector(delta, (os.path.basename(os.path.normpath(directory)),), 'lora', base)
 
 
-def write(directory: str, vector: TaskVector, family, model: dict, *, base_path: str = '',
-          theta0=None) -> None:
-  """`vector`'s factors as an adapter PEFT loads over the family's Hugging Face model; with
-  θ0, its fingerprint goes into the file's metadata."""
+def write(directory: str, vector: TaskVector, family, model: dict | None, *,
+          base_path: str = '', theta0=None) -> None:
+  """`vector`'s factors as an adapter PEFT loads over the Hugging Face model of `family` and
+  `model`, as `read` takes them; with θ0, its fingerprint goes into the file's metadata."""
   if not vector.low_rank:
     raise UserError(f'{vector.tasks}: a dense task vector; factor it first '
                     '(editing.lora.factor) to write it as a LoRA adapter')
-  by_path = {ours: theirs for theirs, (ours, _) in _rules(family, model).items()}
+  names = _key_map(family, model)
+  by_path = {ours: (theirs, layout) for theirs, (ours, layout) in names.rules.items()}
   unnamed = sorted(set(vector.delta) - set(by_path))
   if unnamed:
-    raise UserError(f'{unnamed[0]}: the {family.prefix or ""}key map of {model} has no Hugging '
+    raise UserError(f'{unnamed[0]}: the {names.prefix}key map of a {names.name} has no Hugging '
                     'Face name for it')
+  # PEFT reads lora_A and lora_B only on linear layers (an embedding's factors have other names).
+  unlaid = sorted(p for p in vector.delta if by_path[p][1] not in _LAYOUTS)
+  if unlaid:
+    raise UserError(f'{unlaid[0]}: not a linear layer ({by_path[unlaid[0]][0]}), so PEFT has no '
+                    'LoRA factors of this form for it')
   metadata = {_BASE_KEY: tree_lib.fingerprint(theta0)} if theta0 is not None else {}
   tensors, adapter = tensors_and_config(
-      {by_path[p][:-len('.weight')]: f for p, f in vector.delta.items()}, base_path)
+      {by_path[p][0][:-len('.weight')]: f for p, f in vector.delta.items()}, base_path,
+      task_type=names.task_type)
   with atomic.directory(directory) as tmp:
     save(tmp, tensors, adapter, metadata)
 
 
-def tensors_and_config(modules: dict[str, LowRank], base_path: str,
-                       dtype=np.float32) -> tuple[dict, dict]:
+def tensors_and_config(modules: dict[str, LowRank], base_path: str, dtype=np.float32,
+                       task_type: str | None = None) -> tuple[dict, dict]:
   """The saved tensors and adapter_config.json of {module: factors}: the most common rank and
   scale give r and lora_alpha (α = s·r), the other modules theirs in rank_pattern and
   alpha_pattern."""
@@ -217,7 +254,8 @@ def tensors_and_config(modules: dict[str, LowRank], base_path: str,
   alpha = max(set(alphas.values()), key=list(alphas.values()).count)
   return tensors, config(rank=rank, alpha=alpha, base_path=base_path, target_modules=set(ranks),
                          rank_pattern={m: r for m, r in ranks.items() if r != rank},
-                         alpha_pattern={m: a for m, a in alphas.items() if a != alpha})
+                         alpha_pattern={m: a for m, a in alphas.items() if a != alpha},
+                         task_type=task_type)
 
 
 def factors_over(base, directory: str) -> dict[str, LowRank]:
