@@ -173,8 +173,10 @@ def _read_txt(path: str, field: str) -> list[str]:
     return [f.read()]
 
 
-def _read_jsonl(path: str, field: str) -> list[str]:
-  documents = []
+def jsonl_objects(path: str) -> list[tuple[int, dict]]:
+  """(line number, object) of each non-blank line of the .jsonl file `path`; a line that is
+  not a JSON object is named."""
+  objects = []
   with open(path, encoding='utf-8') as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
@@ -183,13 +185,22 @@ def _read_jsonl(path: str, field: str) -> list[str]:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise UserError(f'{path}, line {number}: not a JSON object ({e})') from None
-      if not isinstance(record, dict) or field not in record:
-        raise UserError(f'{path}, line {number}: no field {field!r} (name the field of the '
-                        'text to score)')
-      if not isinstance(record[field], str):
-        raise UserError(f'{path}, line {number}: field {field!r} is a '
-                        f'{type(record[field]).__name__}, not text')
-      documents.append(record[field])
+      if not isinstance(record, dict):
+        raise UserError(f'{path}, line {number}: not a JSON object')
+      objects.append((number, record))
+  return objects
+
+
+def _read_jsonl(path: str, field: str) -> list[str]:
+  documents = []
+  for number, record in jsonl_objects(path):
+    if field not in record:
+      raise UserError(f'{path}, line {number}: no field {field!r} (name the field of the '
+                      'text to score)')
+    if not isinstance(record[field], str):
+      raise UserError(f'{path}, line {number}: field {field!r} is a '
+                      f'{type(record[field]).__name__}, not text')
+    documents.append(record[field])
   return documents
 
 

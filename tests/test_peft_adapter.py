@@ -53,6 +53,16 @@ def clip_outputs(peft_model, params, model, vector):
   return theirs, ours
 
 
+def assert_same_factors(original_dir, written_dir):
+  """The two adapters hold the same factors under the same names, bit for bit."""
+  original, _ = safetensors_io.load(str(original_dir / peft_adapter.ADAPTER))
+  written, _ = safetensors_io.load(str(written_dir / peft_adapter.ADAPTER))
+  assert written.keys() == original.keys()
+  for name in original:
+    np.testing.assert_array_equal(written[name].view(np.uint32), original[name].view(np.uint32),
+                                  err_msg=name)
+
+
 @pytest.mark.parametrize('lora', [
     dict(r=4, lora_alpha=8, target_modules=['q_proj', 'v_proj']),
     dict(r=4, lora_alpha=8, use_rslora=True, target_modules=['q_proj', 'k_proj', 'v_proj',
@@ -69,12 +79,7 @@ def test_a_clip_adapter_reads_as_peft_applies_it_and_writes_back_bit_identical(t
   assert np.abs(test_hf.unit(embeds) - test_hf.unit(their_embeds)).max() < 1e-5
   # Written back: the same factors, bit for bit, and peft loads it to the same model.
   peft_adapter.write(str(tmp_path / 'out'), vector, family, model)
-  original, _ = safetensors_io.load(str(tmp_path / 'adapter' / peft_adapter.ADAPTER))
-  written, _ = safetensors_io.load(str(tmp_path / 'out' / peft_adapter.ADAPTER))
-  assert written.keys() == original.keys()
-  for name in original:
-    np.testing.assert_array_equal(written[name].view(np.uint32), original[name].view(np.uint32),
-                                  err_msg=name)
+  assert_same_factors(tmp_path / 'adapter', tmp_path / 'out')
   reloaded = peft.PeftModel.from_pretrained(test_hf.clip_vision(tmp_path / 'base2'),
                                             str(tmp_path / 'out')).eval()
   again = test_hf.theirs(reloaded, test_hf.images())

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import transformers
 
-from editing import safetensors_io
 from editing import text_finetune
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -19,7 +18,7 @@ from editing.models import peft_adapter
 from editing.task_vector import TaskVector
 from tests import test_decoder
 from tests.test_hf import random_model
-from tests.test_peft_adapter import adapted, edit_config
+from tests.test_peft_adapter import adapted, assert_same_factors, edit_config
 from third_party import hf_decoder
 
 peft = pytest.importorskip('peft')
@@ -63,12 +62,7 @@ def test_a_peft_adapter_reads_as_peft_applies_it_and_writes_back_as_it_was(base,
   np.testing.assert_allclose(logits(config, params, vector), expected, rtol=0, atol=ATOL)
   # Written back: the same factors, bit for bit, which peft loads to the same model.
   peft_adapter.write(str(tmp_path / 'out'), vector, config, None)
-  original, _ = safetensors_io.load(str(tmp_path / 'adapter' / peft_adapter.ADAPTER))
-  written, _ = safetensors_io.load(str(tmp_path / 'out' / peft_adapter.ADAPTER))
-  assert written.keys() == original.keys()
-  for name in original:
-    np.testing.assert_array_equal(written[name].view(np.uint32), original[name].view(np.uint32),
-                                  err_msg=name)
+  assert_same_factors(tmp_path / 'adapter', tmp_path / 'out')
   reloaded = peft.PeftModel.from_pretrained(fresh(directory), str(tmp_path / 'out')).eval()
   np.testing.assert_allclose(test_decoder.theirs(reloaded, test_decoder.random_tokens()),
                              expected, rtol=0, atol=ATOL)

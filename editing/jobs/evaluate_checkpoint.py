@@ -21,7 +21,6 @@ question's and prompt's details) and checkpoint_scores.md (one row per checkpoin
 per metric), and prints the table.
 """
 
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -135,18 +134,7 @@ def _records(path: str, what: str) -> list[tuple[int, dict]]:
     raise UserError(f'{path}: {what} are read from a .jsonl file')
   if not os.path.isfile(path):
     raise UserError(f'{path} does not exist')
-  records = []
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise UserError(f'{path}, line {number}: not JSON ({e})') from None
-      if not isinstance(record, dict):
-        raise UserError(f'{path}, line {number}: not a JSON object')
-      records.append((number, record))
+  records = scoring.jsonl_objects(path)
   if not records:
     raise UserError(f'{path} holds no {what}')
   return records
