@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import types
+import warnings
 from typing import Any, Callable, Sequence
 
 import ml_collections
@@ -106,6 +107,8 @@ def run(job: Job, default_config: types.ModuleType, *, locks_workdir: bool = Tru
       line = _error_line(e, workdir.value)
       if line is None:
         raise
+      # A failed save abandons orbax's writers, whose coroutines are collected at exit.
+      warnings.filterwarnings('ignore', r"coroutine '.*' was never awaited", RuntimeWarning)
       sys.exit(line)
 
   app.run(main, flags_parser=_parse_flags)
