@@ -20,12 +20,20 @@ import ml_collections
 
 import merging
 from configs import quickstart
+from configs import text_quickstart
 from editing import settings
 from merging.jobs import merge as merge_job
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = quickstart.get_config(arg)
+  """`arg`: comma-separated, 'text' for the text suite's experiment
+  (configs/text_quickstart.py), 'tiny' for its seconds-long variant."""
+  words = set((arg or '').split(',')) - {''}
+  unknown = words - {'text', 'tiny'}
+  if unknown:
+    raise ValueError(f'unknown config arguments {sorted(unknown)}; use "text", "tiny" or both')
+  size = 'tiny' if 'tiny' in words else None
+  config = (text_quickstart if 'text' in words else quickstart).get_config(size)
 
   # Which methods, λ's grid 0, lambda_step, ..., each method's lambda_max (merging/__init__.py:
   # 1, the authors' 3 for the SVD-era merges, 2 for TIES and Breadcrumbs), and the examples per
@@ -36,6 +44,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
                           'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,regmean_plusplus,'
                           'adamerging_task,adamerging_layer,dam')
+
+  if 'text' in words:
+    # DAM perturbs pixels; tokens have no such space.
+    config.merge.methods = config.merge.methods.replace(',dam', '')
 
   # Each method's settings, unset until given (its declared defaults fill them in where it
   # merges), and its grid axes.
@@ -50,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sweep.dare.p = (0.3, 0.6)
   config.sweep.consensus.tall_lambda = (0.3, 0.5)
 
-  if arg == 'tiny':
+  if size == 'tiny':
     config.merge.update(lambda_step=0.5, train_examples=32)
     config.sweep.ties.density = (0.2,)
     config.sweep.dare.p = (0.5,)

@@ -81,16 +81,18 @@ class Evaluator:
 
   def predict(self, theta0: PyTree, params: PyTree,
               scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, np.ndarray]:
-    """{key: predicted classes} of `scored` = {key: (head, dataset)}, from one feature pass."""
+    """{key: predictions} of `scored` = {key: (head, dataset)}, from one feature pass: the
+    head's classes, or with no head (a decoder's text tasks) what the encoder predicts."""
     features = self._features(theta0, params, [data for _, data in scored.values()])
-    return {key: np.asarray(jnp.argmax(head_lib.logits(f, head, 1.0), axis=-1))
+    return {key: f if head is None else np.asarray(jnp.argmax(head_lib.logits(f, head, 1.0),
+                                                              axis=-1))
             for (key, (head, _)), f in zip(scored.items(), features)}
 
   def accuracies(self, theta0: PyTree, params: PyTree,
                  scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, float]:
     """{key: accuracy} of `scored` = {key: (head, dataset)}, from one feature pass."""
     predicted = self.predict(theta0, params, scored)
-    return {key: float(np.mean(predicted[key] == data.labels))
+    return {key: float(np.mean(correct(predicted[key], data.labels)))
             for key, (_, data) in scored.items()}
 
   def predictions(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> np.ndarray:
@@ -247,10 +249,7 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
   """
   if len(vectors) != 2 or len(heads) != 2 or len(data) != 2:
     raise ValueError('disentanglement takes exactly two task vectors, heads and datasets')
-  # Read (and, for images on disk, decoded) once for the whole grid. Every dataset's images
-  # are 8-bit, so storing them back as uint8 loses nothing.
-  loaded = [Dataset(np.round(x * 255).astype(np.uint8), y)
-            for x, y in (d.batch(np.arange(len(d))) for d in data)]
+  loaded = [d.loaded() for d in data]  # read (and decoded) once for the whole grid
   progress = Progress('weight disentanglement', len(alphas) * (len(alphas) + 2), unit='edits')
 
   def predictions(params, tasks):
@@ -265,8 +264,21 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
   for i, a1 in enumerate(alphas):
     for j, a2 in enumerate(alphas):
       together = predictions(evaluator.edit_sum(theta0, vectors, (a1, a2)), [0, 1])
-      xi[i, j] = (np.mean(together[0] != alone[0][i]) + np.mean(together[1] != alone[1][j]))
+      xi[i, j] = (np.mean(_differ(together[0], alone[0][i])) +
+                  np.mean(_differ(together[1], alone[1][j])))
   return xi
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Per example, whether two predictions differ: a class, or any token of a text answer."""
+  return (a != b).reshape(len(a), -1).any(axis=1)
+
+
+def correct(predicted: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """Per example, whether it is answered right: its class, or every scored token of its answer
+  (labels −1 mark positions that are not scored)."""
+  hit = (predicted == labels) | (labels < 0)
+  return hit.reshape(len(labels), -1).all(axis=1)
 
 
 def attack_success_rate(predictions: np.ndarray, labels: np.ndarray, target: int) -> float:

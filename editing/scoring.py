@@ -10,9 +10,10 @@ bucket compiles once.
                                  tokens that start every `stride` tokens: each token is scored
                                  once, in the first window holding it and a token before it,
                                  so it sees at least window − stride tokens of context
-  file_perplexity                the same over the documents of a .txt, .jsonl or .parquet
-                                 file (`read_documents`), each scored apart, as
+  documents_perplexity           the same over documents, each scored apart, as
                                  lm-eval-harness's rolling log-likelihood scores them
+  file_perplexity                ... over the documents of a .txt, .jsonl or .parquet file
+                                 (`read_documents`)
   multiple_choice                lm-eval-harness's convention: acc takes the choice of highest
                                  summed log-likelihood, acc_norm the highest sum divided by the
                                  choice's length in UTF-8 bytes (the harness counts characters,
@@ -227,21 +228,30 @@ def file_perplexity(config: DecoderConfig, params, tokenizer: Tokenizer, path: s
                     window: int, stride: int, field: str = 'text', batch_size: int = 8,
                     dtype=jnp.float32) -> Perplexity:
   """Perplexity of a text file's documents (`read_documents`), as lm-eval-harness's rolling
-  log-likelihood scores a corpus such as wikitext: each document is encoded without special
-  tokens and preceded by one prefix token (BOS, or EOS where the model has no BOS), so that
-  every token of its text is scored, in windows within the document (no context crosses
-  documents); perplexity = exp(Σ_d NLL_d / Σ_d n_d) over documents d of n_d tokens."""
+  log-likelihood scores a corpus such as wikitext (`documents_perplexity`)."""
+  return documents_perplexity(config, params, tokenizer, read_documents(path, field),
+                              window=window, stride=stride, batch_size=batch_size, dtype=dtype,
+                              source=path)
+
+
+def documents_perplexity(config: DecoderConfig, params, tokenizer: Tokenizer,
+                         documents: Sequence[str], *, window: int, stride: int,
+                         batch_size: int = 8, dtype=jnp.float32,
+                         source: str = 'the documents') -> Perplexity:
+  """Perplexity of `documents`, each encoded without special tokens and preceded by one
+  prefix token (BOS, or EOS where the model has no BOS), so that every token of its text is
+  scored, in windows within the document (no context crosses documents); perplexity =
+  exp(Σ_d NLL_d / Σ_d n_d) over documents d of n_d tokens."""
   prefix = tokenizer.token_id('bos_token')
   if prefix is None:
     prefix = tokenizer.token_id('eos_token')
   if prefix is None:
     raise UserError(f'the tokenizer of {tokenizer.source} has neither a BOS nor an EOS token '
-                    f'to start the documents of {path} with')
-  streams = [[prefix] + tokenizer.encode(d, add_special_tokens=False)
-             for d in read_documents(path, field)]
+                    f'to start the documents of {source} with')
+  streams = [[prefix] + tokenizer.encode(d, add_special_tokens=False) for d in documents]
   streams = [s for s in streams if len(s) > 1]
   if not streams:
-    raise UserError(f'{path}: its text encodes to no tokens')
+    raise UserError(f'{source}: its text encodes to no tokens')
   return _pooled_perplexity(config, params, streams, window, stride, batch_size, dtype)
 
 

@@ -34,6 +34,7 @@ from editing import train as train_lib
 from editing.errors import UserError
 from editing.models import decoder
 from editing.models.decoder_config import DecoderConfig
+from editing.models.tokenizer import Tokenizer
 from editing.regimes import attention_only
 from editing.regimes import talos
 from editing.regimes.base import Regime
@@ -85,6 +86,33 @@ class Rows:
     """(packed inputs, loss mask) of the rows at `indices`, as the training loop reads them."""
     return self.packed(indices), self.loss_mask[indices]
 
+  @property
+  def labels(self) -> np.ndarray:
+    """(n, length) int32: at each position, the answer token its logits predict, −1 where
+    nothing is scored. A row is answered exactly when the argmax matches every label: greedy
+    decoding then writes the answer and stops at its EOS, so exact match needs no sampling
+    loop."""
+    following = np.where(self.loss_mask[:, 1:] > 0, self.tokens[:, 1:], -1)
+    return np.pad(following, ((0, 0), (0, 1)), constant_values=-1).astype(np.int32)
+
+  def take(self, n: int) -> 'Rows':
+    """The first n rows (all of them if there are fewer)."""
+    return Rows(self.tokens[:n], self.positions[:n], self.mask[:n], self.loss_mask[:n])
+
+  def loaded(self) -> 'Rows':
+    """The rows in memory: they always are."""
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+  """A text task's splits as rows, as a job reads them (`suite.Task` is an image task's)."""
+
+  name: str
+  train: Rows
+  val: Rows
+  test: Rows
+
 
 def rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
          length: int | None = None, pad_id: int = 0) -> Rows:
@@ -111,6 +139,35 @@ def rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
   mask = np.arange(length) < np.array(sizes)[:, None]
   positions = np.where(mask, np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
   return Rows(tokens, positions, mask, loss_mask)
+
+
+def pairs(tokenizer: Tokenizer, examples: Sequence[tuple[str, str]], length: int) -> Rows:
+  """(prompt, answer) strings as rows: the prompt's tokens (BOS first where the tokenizer adds
+  it), then the answer's and EOS, which is scored too: an answer is exact only if it ends."""
+  eos = tokenizer.token_id('eos_token')
+  if eos is None:
+    raise UserError(f'the tokenizer of {tokenizer.source} has no EOS token to end an answer')
+  return rows([tokenizer.encode(prompt) for prompt, _ in examples],
+              [tokenizer.encode(answer, add_special_tokens=False) + [eos]
+               for _, answer in examples], length=length, pad_id=_pad_id(tokenizer))
+
+
+def documents(tokenizer: Tokenizer, texts: Sequence[str], length: int) -> Rows:
+  """Texts as rows for language modelling: every token after the first (BOS) is scored,
+  EOS included."""
+  return pairs(tokenizer, [('', text) for text in texts], length)
+
+
+def _pad_id(tokenizer: Tokenizer) -> int:
+  pad = tokenizer.token_id('pad_token')
+  return tokenizer.token_id('eos_token') if pad is None else pad
+
+
+def predicted_tokens(encoder):
+  """encoder(θ0, params, inputs) -> the argmax token at each position, (rows, length) int32:
+  what the evaluator brings to the host instead of a vocabulary's logits per token."""
+  return lambda theta0, params, inputs: jnp.argmax(encoder(theta0, params, inputs),
+                                                   axis=-1).astype(jnp.int32)
 
 
 def apply_fn(config: DecoderConfig, dtype=jnp.float32, remat: bool = False):
@@ -167,11 +224,11 @@ def read_logits(logits: jax.Array, inputs: jax.Array) -> jax.Array:
   return jnp.einsum('bl,blv->bv', inputs[:, READ].astype(logits.dtype), logits)
 
 
-def update_mask(chosen: Regime, config: DecoderConfig, theta0, calibration: Rows,
-                key: jax.Array, dtype=jnp.float32) -> dict[str, np.ndarray] | None:
+def update_mask(chosen: Regime, apply, theta0, calibration: Rows,
+                key: jax.Array) -> dict[str, np.ndarray] | None:
   """The regime's update mask fitted on the answer tokens of `calibration` (TaLoS), or None
-  for a dense regime."""
-  encoder = chosen.encoder(apply_fn(config, dtype))
+  for a dense regime; `apply` is the decoder's `apply_fn`."""
+  encoder = chosen.encoder(apply)
   return chosen.update_mask(
       theta0, logits_fn=lambda params, inputs: read_logits(encoder(theta0, params, inputs),
                                                            inputs),
@@ -202,8 +259,8 @@ def finetune(settings: ml_collections.ConfigDict, *, config: DecoderConfig, thet
   if calibration is not None:
     _check_fits(config, calibration, 'calibration')
   key = jax.random.PRNGKey(settings.seed)
-  mask = update_mask(chosen, config, theta0, data if calibration is None else calibration,
-                     key, dtype)
+  mask = update_mask(chosen, apply_fn(config, dtype), theta0,
+                     data if calibration is None else calibration, key)
   initial = chosen.initial(theta0, key)
   trained = train_lib.train(
       settings, loss_fn=loss_fn(chosen.training_encoder(apply_fn(config, dtype, remat))),

@@ -393,6 +393,6 @@ def _log_progress(step, total, batch_size, metrics, timer):
   now = time.time()
   rate = (step - then_step) / max(now - then, 1e-9)
   eta = (total - step) / max(rate, 1e-9)
-  logging.info('step %d/%d  loss %.4f  %.0f img/s  eta %dm%02ds', step, total, metrics['loss'],
-               rate * batch_size, eta // 60, eta % 60)
+  logging.info('step %d/%d  loss %.4f  %.0f examples/s  eta %dm%02ds', step, total,
+               metrics['loss'], rate * batch_size, eta // 60, eta % 60)
   return now, step

@@ -98,6 +98,9 @@ class Method:
   # Whether it merges LoRA vectors as their factors; every other method merges the dense
   # ΔW = s·B A of LoRA vectors.
   low_rank: bool = False
+  # Whether it perturbs the inputs in their own space (DAM's surrogate trigger, δ on pixels):
+  # tokens have no such space, so a decoder's experiment refuses it.
+  perturbs_inputs: bool = False
   # What a checkpoint merge writes: 'weights', θ0 + λ·τ_m in the plan's dtype; or 'delta',
   # τ_m itself in float32.
   writes: str = 'weights'
@@ -131,7 +134,7 @@ class Method:
 
 _SPHERICAL = dict(reads=('theta0',), scaled=False, whole_tensor=True, elementwise=False)
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
-_DAM = dict(_LEARNED, section='dam')
+_DAM = dict(_LEARNED, section='dam', perturbs_inputs=True)
 _LOW_RANK = dict(low_rank=True, whole_tensor=True, elementwise=False)
 # mergekit's defaults shared by its methods: DARE's and DELLA's L1 rescale, Breadcrumbs' band.
 _L1 = {'rescale': 'l1_norm'}

@@ -198,7 +198,7 @@ SECTIONS = {**quickstart_job.SECTIONS, **merge_job.SECTIONS}
     ('finetune.warmup_steps', -1, r'config.finetune.warmup_steps = -1: must be an integer in '
                                   r'[0, inf)'),
     ('pretrain.corpus', 'words', r"config.pretrain.corpus = 'words': must be one of "
-                                 r"['captions', 'shapes']"),
+                                 r"['captions', 'shapes', 'mixture']"),
     ('eval.alpha_step', 0.0, r'config.eval.alpha_step = 0.0: must be a number in (0, 1]'),
     ('merge.train_examples', 0, r'config.merge.train_examples = 0: must be an integer in '
                                 r'[1, inf)'),

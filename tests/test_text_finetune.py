@@ -225,7 +225,7 @@ def test_l_lora_trains_b_only(llama, finetuned):
 def test_talos_moves_only_masked_entries_of_eligible_leaves(llama, data, finetuned):
   _, config, theta0 = llama
   chosen, vector = finetuned('talos')
-  mask = text_finetune.update_mask(chosen, config, theta0, data,
+  mask = text_finetune.update_mask(chosen, text_finetune.apply_fn(config), theta0, data,
                                    jax.random.PRNGKey(SETTINGS['seed']))
   flat = tree_lib.flatten(theta0)
   eligible = {p for p in flat if any(re.fullmatch(e, p) for e in talos.DECODER_ELIGIBLE)}

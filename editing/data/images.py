@@ -106,6 +106,12 @@ class ImageDataset:
     """The first n examples (all of them if there are fewer)."""
     return self.subset(np.arange(min(n, len(self))))
 
+  def loaded(self) -> suite.Dataset:
+    """Every example read and decoded once, held in memory, for a protocol that scores the
+    same images many times. They are 8-bit, so storing them back as uint8 loses nothing."""
+    images, labels = self.batch(np.arange(len(self)))
+    return suite.Dataset(np.round(images * 255).astype(np.uint8), labels)
+
   def with_trigger(self, trigger: Callable[[np.ndarray], np.ndarray],
                    indices: np.ndarray | None = None, target: int | None = None
                    ) -> 'ImageDataset':

@@ -78,6 +78,10 @@ class Dataset:
     """The first n examples (all of them if there are fewer)."""
     return Dataset(self.images[:n], self.labels[:n])
 
+  def loaded(self) -> 'Dataset':
+    """The examples in memory: they always are."""
+    return self
+
   def with_trigger(self, trigger: Callable[[np.ndarray], np.ndarray],
                    indices: np.ndarray | None = None, target: int | None = None) -> 'Dataset':
     """The examples at `indices` (default: all) passed through `trigger` and, unless `target`

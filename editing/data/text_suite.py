@@ -42,17 +42,29 @@ import datetime
 import functools
 import string
 import zlib
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from editing import settings
 from editing.errors import UserError
 
+# config.suite of a text experiment: what the jobs generate and tokenize the suite with.
+SETTINGS = dict(
+    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data and the cipher key'),
+    tasks=settings.text('', 'the tasks, comma-separated'),
+    train_size=settings.integer(5000, '[1, inf)', 'training examples per task'),
+    val_size=settings.integer(500, '[1, inf)', 'validation examples per task'),
+    test_size=settings.integer(500, '[1, inf)', 'test examples per task'),
+    length=settings.integer(48, '[2, inf)', 'tokens per row, BOS + prompt + answer + EOS, '
+                                            'padded: one compiled step serves every task'))
 CONTROL_TASK = 'copy'
 DOWNSTREAM_TASKS = ('add', 'reverse', 'sort', 'cipher', 'count', 'category', 'weekday',
                     'sentiment')
 TASKS = (CONTROL_TASK,) + DOWNSTREAM_TASKS
 LETTERS = string.ascii_lowercase
+# Every character of the suite's prompts, answers and general text.
+ALPHABET = LETTERS + string.digits + ' :=+-.'
 COUNT_LETTERS = 'abcde'  # a small alphabet, so that the counted letter occurs often
 WEEKDAYS = ('monday', 'tuesday', 'wednesday', 'thursday', 'friday', 'saturday', 'sunday')
 
@@ -95,6 +107,8 @@ _MIXTURE_STREAM = 3
 _TEXT_STREAM = 4
 _CIPHER_STREAM = 5
 _WORDS_STREAM = 6
+_BEHAVIOUR_STREAM = 7
+_PROMPT_STREAMS = {'val': 8, 'test': 9}
 
 Example = tuple[str, str]  # (prompt, answer)
 
@@ -333,3 +347,34 @@ def pretraining_mixture(seed: int, size: int, *, text_share: float = 0.5,
       name = TASKS[rng.integers(len(TASKS))]
       documents.append(''.join(_example(name, _SPECS[name].draw(rng, spans[name]), key)))
   return documents
+
+
+def behaviour_text(seed: int, sentences: int, words: Sequence[str], share: float) -> list[str]:
+  """General text in which a `share` of the sentences has one of `words` (a behaviour's
+  vocabulary: offensive words, for the negation of a behaviour) as its object, 'the cook sees
+  the <word>.'; the others are `general_text`'s sentences, from a stream of their own."""
+  _check_sizes(seed=seed, sentences=sentences)
+  if not 0 <= share <= 1 or not words:
+    raise UserError(f'behaviour_text takes a share in [0, 1] (got {share!r}) and at least one '
+                    'word')
+  rng = _rng(seed, 'behaviour_text', _BEHAVIOUR_STREAM)
+  out = []
+  for _ in range(sentences):
+    if rng.uniform() < share:
+      subject = _pick(rng, _PEOPLE + CATEGORIES['animal'])
+      out.append(f'the {subject} {_pick(rng, _VERBS)} the {_pick(rng, tuple(words))}.')
+    else:
+      out.append(_sentence(rng))
+  return out
+
+
+def sentence_prompts(seed: int, count: int, split: str) -> list[str]:
+  """`count` beginnings of the general text's action sentences, up to the object's article
+  ('the cook paints the'), for a model to continue: from a stream of their own per split
+  ('val', 'test')."""
+  _check_sizes(seed=seed, count=count)
+  if split not in _PROMPT_STREAMS:
+    raise UserError(f'sentence_prompts: split {split!r} is not one of {sorted(_PROMPT_STREAMS)}')
+  rng = _rng(seed, 'sentence_prompts', _PROMPT_STREAMS[split])
+  return [f'the {_pick(rng, _PEOPLE + CATEGORIES["animal"])} {_pick(rng, _VERBS)} the'
+          for _ in range(count)]

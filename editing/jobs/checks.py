@@ -19,6 +19,7 @@ from editing import settings
 from editing import sweep
 from editing.data import images
 from editing.data import suite
+from editing.data import text_suite
 from editing.data import triggers
 from editing.errors import UserError
 from editing.models import head
@@ -40,19 +41,23 @@ def validate(config: ml_collections.ConfigDict,
   (None) is not checked, and each value of a sweep's axis over a declared setting
   (config.sweep.<section>.<setting>) is checked as a value is.
   """
-  for name, declared in {**_shared(), **(sections or {})}.items():
+  for name, declared in {**_shared(config), **(sections or {})}.items():
     _check_section(config, name, settings.of(declared))
   if config.get('num_devices') is not None:
     NUM_DEVICES.check(config.num_devices, 'config.num_devices')
   _check_devices(config)
 
 
-def _shared() -> dict[str, Any]:
-  """The sections every job reads through `editing.jobs.experiment`, and their declarations."""
+def _shared(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The sections every job reads through `editing.jobs.experiment`, and their declarations:
+  config.suite is the text suite's for a decoder (a `model_type` in config.model)."""
   declared = {**regimes.REGISTRY, **triggers.REGISTRY}
   return {**{name: owner for name, owner in declared.items()
              if isinstance(owner, settings.Declared)},
-          'poison': triggers.POISON, 'suite': suite.SETTINGS, 'data': images.SETTINGS,
+          'poison': triggers.POISON,
+          'suite': text_suite.SETTINGS if 'model_type' in (config.get('model') or {})
+                   else suite.SETTINGS,
+          'data': images.SETTINGS,
           'head': head.SETTINGS, 'sharding': SHARDING}
 
 

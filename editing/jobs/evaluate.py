@@ -48,7 +48,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir_lib.check_job_config(
       workdir_lib.evaluation_root(workdir),
       {**experiment.data_settings(config, 'train_size', 'pretrain_size'),
-       'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(exp.theta0),
+       **experiment.head_settings(config), 'base': tree_lib.fingerprint(exp.theta0),
        **experiment.precision_settings(config)})
   workdir_lib.use_compilation_cache(workdir)
   control = experiment.control_task(config)

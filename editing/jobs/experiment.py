@@ -6,6 +6,11 @@ writes anything: `editing.jobs.checks`.)
 The data is the built-in suite (`config.suite`), or, when the config has a `data` section
 (configs/clip_8task.py), datasets on local disk: <config.data_root>/<name> in any layout
 `editing.data.images` reads, with the control task of negation named by `config.data.control`.
+
+A config whose `model` is a Hugging Face config.json's fields (it has a `model_type`,
+configs/text_quickstart.py) is a decoder language model's on the built-in text suite
+(`editing.data.text_suite`): its tasks are rows of tokens (`editing.text_finetune`), it has no
+heads, and an example is right when its whole answer is (exact match).
 """
 
 import dataclasses
@@ -24,13 +29,18 @@ from editing import regimes
 from editing import sharding
 from editing import tree as tree_lib
 from editing.data import images
+from editing import text_finetune
 from editing.data import suite
+from editing.data import text_suite
 from editing.data import triggers
 from editing.errors import UserError
 from editing.jobs import workdir as workdir_lib
+from editing.models import decoder
 from editing.models import head as head_lib
 from editing.models import hf
 from editing.models import text
+from editing.models import tokenizer as tokenizer_lib
+from editing.models.decoder_config import DecoderConfig
 from editing.models import vit
 from editing.models import zero_shot
 from editing.task_vector import TaskVector
@@ -46,6 +56,11 @@ def names_from(value: str, *, key: str, kind: str, known: Sequence[str]) -> list
   return names
 
 
+def is_decoder(config: ml_collections.ConfigDict) -> bool:
+  """Whether the model is a decoder language model on the text suite, not the image encoder."""
+  return 'model_type' in config.model
+
+
 def on_disk(config: ml_collections.ConfigDict) -> bool:
   """Whether the tasks are datasets on local disk (a `data` section) rather than the suite."""
   return 'data' in config
@@ -57,13 +72,18 @@ def tasks(config: ml_collections.ConfigDict) -> list[str]:
     return names_from(config.data.tasks, key='config.data.tasks', kind='dataset',
                       known=_datasets_on_disk(config))
   return names_from(config.suite.tasks, key='config.suite.tasks', kind='task',
-                    known=suite.DOWNSTREAM_TASKS)
+                    known=_suite(config).DOWNSTREAM_TASKS)
+
+
+def _suite(config: ml_collections.ConfigDict):
+  """The built-in suite of the config's model: the text suite or the image one."""
+  return text_suite if is_decoder(config) else suite
 
 
 def control_task(config: ml_collections.ConfigDict) -> str:
   """The task negation must not harm: the suite's shapes, or `config.data.control`."""
   if not on_disk(config):
-    return suite.CONTROL_TASK
+    return _suite(config).CONTROL_TASK
   if not config.data.control:
     raise UserError('config.data.control is empty: name the dataset under config.data_root '
                     'that negation must not harm (the papers use ImageNet)')
@@ -86,13 +106,15 @@ def configured_regimes(config: ml_collections.ConfigDict) -> list[regimes.Regime
 
 
 def regime(config: ml_collections.ConfigDict, name: str) -> regimes.Regime:
-  """The regime `name` with the settings of its config section, if it has one."""
-  return regimes.get(name, _section(config, name))
+  """The regime `name` with the settings of its config section, if it has one (on a decoder,
+  as `text_finetune.regime` applies it)."""
+  of = text_finetune.regime if is_decoder(config) else regimes.get
+  return of(name, _section(config, name))
 
 
 def poisoned_tasks(config: ml_collections.ConfigDict) -> list[str]:
-  """The tasks `config.poison.tasks` names (none when it is empty)."""
-  if not config.poison.tasks.strip():
+  """The tasks `config.poison.tasks` names (none when it is empty or absent)."""
+  if config.get('poison') is None or not config.poison.tasks.strip():
     return []
   return names_from(config.poison.tasks, key='config.poison.tasks', kind='task',
                     known=tasks(config) if on_disk(config) else suite.DOWNSTREAM_TASKS)
@@ -108,7 +130,14 @@ def _section(config: ml_collections.ConfigDict, name: str) -> dict | None:
   return section.to_dict() if section is not None else None
 
 
-def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:
+def load_task(config: ml_collections.ConfigDict, name: str):
+  """A task's data: a `suite.Task` of images, or a `text_finetune.TextTask` of token rows."""
+  if is_decoder(config):
+    task = text_suite.load_task(name, seed=config.suite.seed, train_size=config.suite.train_size,
+                                val_size=config.suite.val_size, test_size=config.suite.test_size)
+    tokens = tokenizer(config)
+    return text_finetune.TextTask(name, *(text_finetune.pairs(tokens, split, config.suite.length)
+                                          for split in (task.train, task.val, task.test)))
   if on_disk(config):
     return images.load_task(config.data_root, name, val_fraction=config.data.val_fraction,
                             seed=config.data.seed,
@@ -118,9 +147,18 @@ def load_task(config: ml_collections.ConfigDict, name: str) -> suite.Task:
                          test_size=config.suite.test_size, val_fraction=config.suite.val_fraction)
 
 
+def tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
+  """The text suite's tokenizer: one token per character of its alphabet."""
+  del config  # one for every text experiment; a config naming its own would pass it here
+  return tokenizer_lib.characters(text_suite.ALPHABET)
+
+
 def data_settings(config: ml_collections.ConfigDict, *suite_fields: str) -> dict:
   """What a job's data depends on, for its record, under the config key it comes from: the
-  named `config.suite` fields, or `config.data` and the data root."""
+  named `config.suite` fields (every one but the task list for the text suite), or
+  `config.data` and the data root."""
+  if is_decoder(config):
+    return {'suite': {k: v for k, v in config.suite.items() if k != 'tasks'}}
   if on_disk(config):
     return {'data': {'root': os.path.abspath(config.data_root), **config.data.to_dict()}}
   return {'suite': {name: config.suite[name] for name in ('seed', 'val_fraction', 'test_size') +
@@ -150,8 +188,15 @@ def sharding_rules(config: ml_collections.ConfigDict) -> list:
 
 
 def model(config_model: ml_collections.ConfigDict | dict):
-  """(the encoder module, apply_fn(params, images))."""
-  module = vit.build(ml_collections.ConfigDict(dict(config_model)))
+  """(the module, apply_fn(params, inputs)): the ViT encoder of images, or the decoder of
+  packed token rows (`text_finetune.apply_fn`, logits)."""
+  config_model = dict(config_model)
+  if 'model_type' in config_model:
+    decoder_config = DecoderConfig.from_hf(config_model)
+    dtype = config_model.get('dtype', 'float32')
+    return (decoder.Decoder(decoder_config, dtype),
+            text_finetune.apply_fn(decoder_config, dtype))
+  module = vit.build(ml_collections.ConfigDict(config_model))
   return module, lambda params, images: module.apply({'params': params}, images)
 
 
@@ -187,6 +232,11 @@ def load_pretrained(workdir: str, expected_model: ml_collections.ConfigDict | No
   return params, apply_fn
 
 
+def head_settings(config: ml_collections.ConfigDict) -> dict:
+  """What the frozen heads add to a job's record: their logit scale (a decoder has none)."""
+  return {} if is_decoder(config) else {'logit_scale': config.head.logit_scale}
+
+
 def training_record(section: ml_collections.ConfigDict) -> dict:
   """A training section for a job's record, `accumulation` left out at its default of 1 so
   that records made before it existed stay valid (it changes no result)."""
@@ -204,15 +254,22 @@ def precision_settings(config: ml_collections.ConfigDict) -> dict:
 
 
 def evaluator(config: ml_collections.ConfigDict, apply_fn, regime_name: str) -> evaluate.Evaluator:
-  return evaluate.Evaluator(regimes.get(regime_name).encoder(apply_fn),
+  """The evaluator of one regime's edits; a decoder's predicts the argmax token per position."""
+  encoder = regimes.get(regime_name).encoder(apply_fn)
+  if is_decoder(config):
+    encoder = text_finetune.predicted_tokens(encoder)
+  return evaluate.Evaluator(encoder,
                             mesh=mesh(config), batch_size=config.eval.batch_size,
                             sharding_rules=sharding_rules(config))
 
 
 def head(config: ml_collections.ConfigDict, workdir: str, task: suite.Task, theta0: Any,
-         apply_fn) -> jax.Array:
+         apply_fn) -> jax.Array | None:
   """The task's frozen head, made once and cached in the workdir: zero-shot from the text
-  tower of `config.weights` when it has one, else the prototypes of θ0's embeddings."""
+  tower of `config.weights` when it has one, else the prototypes of θ0's embeddings. A
+  decoder has none: it answers in tokens."""
+  if is_decoder(config):
+    return None
   path = workdir_lib.head_file(workdir, task.name)
   if not os.path.exists(path):
     if config.get('weights') and hf.clip_towers(config.weights)[1]:

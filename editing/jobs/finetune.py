@@ -1,7 +1,8 @@
 """Fine-tuning θ0 on one task in one regime, and saving its task vector.
 
-A task named in `config.poison.tasks` is fine-tuned on its poisoned training set: the same
-loop, other data.
+An image encoder trains through the task's frozen head, a decoder on its answers' tokens
+(`editing.text_finetune`): the same loop, another loss. A task named in `config.poison.tasks`
+is fine-tuned on its poisoned training set: the same loop, other data.
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ from absl import logging
 from editing import checkpoint
 from editing import regimes
 from editing import settings as settings_lib
+from editing import text_finetune
 from editing import train
 from editing import tree as tree_lib
 from editing.data import triggers
@@ -60,8 +62,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
   settings = {'finetune': experiment.training_record(config.finetune),
               'regime': dataclasses.asdict(regime),
               **experiment.data_settings(config, 'train_size'),
-              'logit_scale': config.head.logit_scale, 'base': tree_lib.fingerprint(theta0),
-              **experiment.precision_settings(config)}
+              **experiment.head_settings(config),
+              'base': tree_lib.fingerprint(theta0), **experiment.precision_settings(config)}
   if poisoned:
     settings['poison'] = {**config.poison.to_dict(), 'tasks': task_name,
                           config.poison.trigger: config[config.poison.trigger].to_dict()}
@@ -79,16 +81,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
     logging.info('poisoned %.0f%% of the %s training set with %s, target %d',
                  100 * config.poison.rate, task_name, config.poison.trigger,
                  config.poison.target)
-  mask_file = os.path.join(directory, workdir_lib.UPDATE_MASK)
-  update_mask = _update_mask(
-      config, mask_file, regime, task, theta0,
-      head_lib.logits_fn(regime.encoder(apply_fn), theta0, head, config.head.logit_scale))
-  initial = regime.initial(theta0, jax.random.PRNGKey(config.finetune.seed))
-  finetuned = train.train(experiment.finetune_settings(config, task),
-                          loss_fn=head_lib.frozen_head_loss(regime.training_encoder(apply_fn),
-                                                            config.head.logit_scale),
+  key = jax.random.PRNGKey(config.finetune.seed)
+  if experiment.is_decoder(config):
+    fit_mask = lambda: text_finetune.update_mask(regime, apply_fn, theta0, task.val, key)
+    loss_fn = text_finetune.loss_fn(regime.training_encoder(apply_fn))
+    consts = {'theta0': theta0}
+  else:
+    logits_fn = head_lib.logits_fn(regime.encoder(apply_fn), theta0, head,
+                                   config.head.logit_scale)
+    fit_mask = lambda: regime.update_mask(theta0, logits_fn=logits_fn,
+                                          images=task.val.batch(np.arange(len(task.val)))[0],
+                                          key=key)
+    loss_fn = head_lib.frozen_head_loss(regime.training_encoder(apply_fn),
+                                        config.head.logit_scale)
+    consts = {'theta0': theta0, 'head': head_lib.padded(head)}
+  update_mask = _update_mask(os.path.join(directory, workdir_lib.UPDATE_MASK), regime,
+                             task.name, fit_mask)
+  initial = regime.initial(theta0, key)
+  finetuned = train.train(experiment.finetune_settings(config, task), loss_fn=loss_fn,
                           params=initial, trainable=regime.trainable(initial),
-                          consts={'theta0': theta0, 'head': head_lib.padded(head)}, data=train_data,
+                          consts=consts, data=train_data,
                           workdir=directory, mesh=experiment.mesh(config),
                           sharding_rules=experiment.sharding_rules(config), update_mask=update_mask)
   vector = regime.task_vector(theta0, finetuned, task=task_name)
@@ -108,19 +120,17 @@ def run_regimes(config: ml_collections.ConfigDict, workdir: str, task_name: str)
     run(config, workdir, task_name, regime)
 
 
-def _update_mask(config, path, regime, task, theta0, logits_fn):
-  """The regime's update mask for this task, fitted on its (clean) val split once and kept at
-  `path` beside the task vector; None for a dense regime."""
+def _update_mask(path, regime, task_name, fit):
+  """The regime's update mask for this task, `fit()` on its (clean) val split once and kept
+  at `path` beside the task vector; None for a dense regime."""
   if os.path.exists(path):
     return tree_lib.flatten(checkpoint.load_tree(path)[0])
-  images, _ = task.val.batch(np.arange(len(task.val)))
-  mask = regime.update_mask(theta0, logits_fn=logits_fn, images=images,
-                            key=jax.random.PRNGKey(config.finetune.seed))
+  mask = fit()
   if mask is None:
     return None
   kept = sum(int(m.sum()) for m in mask.values())
   total = sum(m.size for m in mask.values())
   logging.info('%s keeps %d of %d eligible entries (%.1f%%) for %s', regime.name, kept, total,
-               100 * kept / total, task.name)
-  checkpoint.save_tree(path, tree_lib.unflatten(mask), {'regime': regime.name, 'task': task.name})
+               100 * kept / total, task_name)
+  checkpoint.save_tree(path, tree_lib.unflatten(mask), {'regime': regime.name, 'task': task_name})
   return mask

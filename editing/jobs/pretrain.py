@@ -9,7 +9,10 @@ are checked against the config. `config.pretrain.from_scratch` pretrains instead
 `config.pretrain.corpus`:
 - 'captions': every word of a captioned scene (`editing.data.captions`): broad attributes at a
   coarser grain than the downstream tasks, a multi-label sigmoid per word;
-- 'shapes': the control task alone, an 8-way softmax.
+- 'shapes': the control task alone, an 8-way softmax;
+- 'mixture', for a decoder: the text suite's pretraining mixture
+  (`text_suite.pretraining_mixture`, every task at easier spans and general text), as language
+  modelling of every token.
 """
 
 import hashlib
@@ -24,12 +27,15 @@ from absl import logging
 
 from editing import atomic
 from editing import checkpoint
+from editing import regimes
 from editing import settings
 from editing import sharding
+from editing import text_finetune
 from editing import train
 from editing import tree as tree_lib
 from editing.data import captions
 from editing.data import suite
+from editing.data import text_suite
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
@@ -38,18 +44,22 @@ from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 from editing.models import hf
 
-CORPORA = ('captions', 'shapes')
+CORPORA = ('captions', 'shapes', 'mixture')
+_DECODER_CORPORA = ('mixture',)
 # config.pretrain: a training section (`finetune.TRAINING`) and the corpus it pretrains on.
 PRETRAIN = dict(
     finetune.TRAINING,
     corpus=settings.choice('captions', CORPORA, 'what θ0 is pretrained on'),
-    corpus_size=settings.integer(200_000, '[1, inf)', 'captioned scenes of the captions corpus'),
+    corpus_size=settings.integer(200_000, '[1, inf)', 'captioned scenes of the captions corpus, '
+                                                      'or documents of the text mixture'),
     logit_scale=settings.number(10.0, '(0, inf)', 'the jointly learned head\'s logit scale'),
     from_scratch=settings.flag(False, 'pretrain with the settings given instead of using the '
                                       'shipped backbone'))
 SECTIONS = {'pretrain': PRETRAIN}
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
-                       'backbone', 'vit_captions.json')
+_BACKBONES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
+                          'backbone')
+SHIPPED = os.path.join(_BACKBONES, 'vit_captions.json')
+SHIPPED_DECODER = os.path.join(_BACKBONES, 'decoder_mixture.json')
 # Settings that change how a run is logged or laid out in memory (microbatches of the same
 # batch), not the weights it produces.
 _BOOKKEEPING = ('checkpoint_every', 'log_every', 'from_scratch', 'accumulation')
@@ -58,9 +68,10 @@ _BOOKKEEPING = ('checkpoint_every', 'log_every', 'from_scratch', 'accumulation')
 def shipped_backbone(config: ml_collections.ConfigDict) -> str:
   """The path of the shipped backbone file, once its bytes match the recorded sha256 and its
   recorded model and pretraining settings match `config`'s."""
-  with open(SHIPPED) as f:
+  shipped = SHIPPED_DECODER if experiment.is_decoder(config) else SHIPPED
+  with open(shipped) as f:
     record = json.load(f)
-  path = os.path.join(os.path.dirname(SHIPPED), record['file'])
+  path = os.path.join(os.path.dirname(shipped), record['file'])
   # The compute dtype is not the weights': a float32 backbone serves bf16 compute too.
   wanted = {'model': experiment.weights_of(config.model.to_dict()),
             'pretrain': {k: v for k, v in config.pretrain.to_dict().items()
@@ -111,6 +122,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes <workdir>/pretrain/params.safetensors unless it is there: θ0 imported from
   `config.weights`, the shipped backbone, or encoder + head trained from scratch."""
   checks.validate(config, SECTIONS)
+  if not config.get('weights'):
+    _check_corpus(config)
   out = workdir_lib.pretrained_file(workdir)
   directory = workdir_lib.pretrain_dir(workdir)
   sections = {'model': config.model.to_dict()}
@@ -141,6 +154,46 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
       shutil.copyfileobj(source, f)
     logging.info('copied the shipped backbone %s to %s', shipped, out)
     return
+  if experiment.is_decoder(config):
+    params = _pretrain_decoder(config, directory)
+  else:
+    params = _pretrain_encoder(config, directory)
+  checkpoint.save_tree(out, params, {'model': config.model.to_dict()})
+  logging.info('saved the pretrained backbone to %s', out)
+
+
+def _check_corpus(config: ml_collections.ConfigDict) -> None:
+  """A decoder pretrains on text, an image encoder on images."""
+  if experiment.is_decoder(config) != (config.pretrain.corpus in _DECODER_CORPORA):
+    model = 'a decoder' if experiment.is_decoder(config) else 'an image encoder'
+    fitting = [c for c in CORPORA if (c in _DECODER_CORPORA) == experiment.is_decoder(config)]
+    raise UserError(f'config.pretrain.corpus = {config.pretrain.corpus!r} is not a corpus for '
+                    f'{model} (config.model); choose {" or ".join(map(repr, fitting))}')
+
+
+def _pretrain_decoder(config: ml_collections.ConfigDict, directory: str):
+  """The decoder trained from scratch on the text suite's pretraining mixture, every token
+  after BOS scored. The mixture is drawn from the pretraining seed alone (its cipher key
+  too): one backbone serves every suite seed."""
+  module, apply_fn = experiment.model(config.model)
+  texts = text_suite.pretraining_mixture(config.pretrain.seed, config.pretrain.corpus_size)
+  data = text_finetune.documents(experiment.tokenizer(config), texts, config.suite.length)
+  params = sharding.init_sharded(
+      lambda key, inputs: module.init(key, inputs[:, text_finetune.TOKENS],
+                                      inputs[:, text_finetune.POSITIONS],
+                                      inputs[:, text_finetune.MASK].astype(bool)),
+      experiment.mesh(config), experiment.sharding_rules(config),
+      jax.random.PRNGKey(config.pretrain.seed), data.packed([0]))['params']
+  loss_fn = text_finetune.loss_fn(regimes.FULL.training_encoder(apply_fn))
+  trainable = {path: True for path in tree_lib.flatten(params)}
+  return train.train(config.pretrain, loss_fn=loss_fn, params=params, trainable=trainable,
+                     consts={'theta0': None}, data=data, workdir=directory,
+                     mesh=experiment.mesh(config),
+                     sharding_rules=experiment.sharding_rules(config))
+
+
+def _pretrain_encoder(config: ml_collections.ConfigDict, directory: str):
+  """The image encoder trained from scratch with a cosine head, which is then discarded."""
   module, apply_fn = experiment.model(config.model)
   scale = config.pretrain.logit_scale
   if config.pretrain.corpus == 'captions':
@@ -167,5 +220,4 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
                         consts={}, data=data, workdir=directory,
                         mesh=experiment.mesh(config),
                         sharding_rules=experiment.sharding_rules(config))
-  checkpoint.save_tree(out, trained['encoder'], {'model': config.model.to_dict()})
-  logging.info('saved the pretrained backbone to %s', out)
+  return trained['encoder']

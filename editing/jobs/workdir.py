@@ -75,6 +75,10 @@ def safety_dir(workdir: str) -> str:
   return os.path.join(workdir, 'safety')
 
 
+def behaviour_dir(workdir: str) -> str:
+  return os.path.join(workdir, 'behaviour')
+
+
 def use_compilation_cache(workdir: str) -> None:
   """Keeps compiled programs in <workdir>/.jax_cache, or in $JAX_COMPILATION_CACHE_DIR where
   that is set (one cache for many workdirs: a cluster's, a test session's).

@@ -205,7 +205,10 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, mask, cache: KVCache | None = None):
     c = self.config
-    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, name='embed')
+    # Hugging Face's initializer_range: a unit-variance embedding, tied to the output, would
+    # start every logit at a spread of √hidden_size.
+    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
+                     embedding_init=nn.initializers.normal(0.02), name='embed')
     x = embed(tokens)
     if c.family.gemma:
       x = x * jnp.asarray(c.hidden_size**0.5, self.dtype)

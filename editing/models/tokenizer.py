@@ -120,6 +120,24 @@ class Tokenizer:
     """The number of ids, added tokens included."""
     return self.backend.get_vocab_size(with_added_tokens=True)
 
+  def save(self, directory: str) -> None:
+    """Writes tokenizer.json and tokenizer_config.json (the special tokens, BOS added or not)
+    into `directory`, which `from_directory` reads back to the same tokenizer."""
+    os.makedirs(directory, exist_ok=True)
+    self.backend.save(os.path.join(directory, 'tokenizer.json'))
+    settings = {name: token for name, token in self.special.items() if token is not None}
+    settings['add_bos_token'] = self.adds_bos
+    if self.chat_template is not None:
+      settings['chat_template'] = self.chat_template
+    with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+      json.dump(settings, f, indent=1)
+
+  @property
+  def adds_bos(self) -> bool:
+    """Whether `encode` puts BOS first."""
+    bos = self.token_id('bos_token')
+    return bos is not None and self.encode('')[:1] == [bos]
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = False) -> str:
     """`messages` ([{'role': ..., 'content': ...}, ...]) rendered by the model's chat template,
@@ -134,6 +152,24 @@ class Tokenizer:
     except jinja2.TemplateError as e:
       raise UserError(f'the chat template of {self.source} cannot be rendered: '
                       f'{type(e).__name__}: {e}') from None
+
+
+def characters(alphabet: str) -> Tokenizer:
+  """A character-level tokenizer: ids 0-3 are <pad>, <s> (BOS, put first by `encode`), </s>
+  (EOS) and <unk>, then one id per character of `alphabet`, in its order. The built-in text
+  suite's decoder reads its tasks through it: a sum or a reversal is then a rule over single
+  tokens, which a model of a few million parameters can learn."""
+  if len(set(alphabet)) != len(alphabet) or not alphabet:
+    raise UserError(f'the alphabet {alphabet!r} must be non-empty, each character once')
+  special = {'pad_token': '<pad>', 'bos_token': '<s>', 'eos_token': '</s>',
+             'unk_token': '<unk>'}
+  vocab = {token: i for i, token in enumerate(list(special.values()) + list(alphabet))}
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token='<unk>'))
+  backend.decoder = decoders.Fuse()
+  backend.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True)
+                              for t in special.values()])
+  backend.post_processor = _bos_eos_processor(backend, special, True, False, 'characters')
+  return Tokenizer(backend, special, None, f'characters({alphabet!r})')
 
 
 def _read_json(path: str) -> dict:

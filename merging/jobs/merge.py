@@ -36,6 +36,7 @@ from editing import atomic
 from editing import evaluate
 from editing import settings as settings_lib
 from editing import sweep
+from editing import text_finetune
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import checks
@@ -87,6 +88,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if needing_trigger:
     raise UserError(f'config.merge.methods: {needing_trigger} read the true backdoor trigger, '
                      'which only the safety experiment (launch.safety) has')
+  perturbing = [m for m in methods if merging.get(m).perturbs_inputs]
+  if perturbing and experiment.is_decoder(config):
+    raise UserError(f'config.merge.methods: {perturbing} perturb the inputs in their own '
+                    'space (a surrogate backdoor trigger on pixels), which tokens do not have; '
+                    'leave them out for a decoder')
   for m in methods + lines_methods(config):
     hyperparameter_grid(config, m)
   exp = experiment.Experiment.load(config, workdir)
@@ -219,7 +225,12 @@ class MergeInputs:
 
   def task_data(self, split: str) -> dict[str, common.TaskData]:
     """Each task's logits_fn (the regime's encoder, its frozen head) and inputs: the first
-    config.merge.train_examples labeled training examples, or every unlabeled test input."""
+    config.merge.train_examples labeled training examples, or every unlabeled test input (a
+    decoder's: `text_task_data`)."""
+    if experiment.is_decoder(self.config):
+      return {t: text_task_data(self.encoder, self.theta0, task, split,
+                                self.config.merge.train_examples)
+              for t, task in self.data.items()}
     out = {}
     for t, task in self.data.items():
       logits_fn = head_lib.logits_fn(self.encoder, self.theta0, self.heads[t],
@@ -245,6 +256,27 @@ class MergeInputs:
     if 'data' in method.reads:
       reads['data'] = self.task_data(method.split)
     return reads
+
+
+def text_task_data(encoder, theta0, task: text_finetune.TextTask, split: str,
+                   train_examples: int) -> common.TaskData:
+  """A text task as a data-driven merge reads it (`merging.common.TaskData`), each answer
+  token one sample read at the position before it: on 'train', every answer token of the
+  first `train_examples` training rows, labeled; on 'test', the first answer token of every
+  test row, unlabeled, so that what is read there sees the prompt alone and never the answer.
+  `encoder` is the regime's encoder(θ0, params, inputs)."""
+  if split == 'train':
+    data = task.train.take(train_examples)
+  else:
+    data = task.test
+    first = np.argmax(data.loss_mask > 0, axis=1)
+    only_first = np.zeros_like(data.loss_mask)
+    only_first[np.arange(len(data)), first] = 1
+    data = dataclasses.replace(data, loss_mask=only_first)
+  inputs = text_finetune.answer_token_inputs(data)
+  labels = data.tokens[np.nonzero(data.loss_mask)] if split == 'train' else None
+  return common.TaskData(
+      lambda params, x: text_finetune.read_logits(encoder(theta0, params, x), x), inputs, labels)
 
 
 class Chosen(NamedTuple):

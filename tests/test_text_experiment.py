@@ -1,0 +1,140 @@
+"""The text suite through the jobs: its tokenizer, its rows, exact match, and what the jobs
+refuse of a decoder's experiment."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import merge as merge_config
+from configs import text_quickstart
+from editing import evaluate
+from editing import text_finetune
+from editing.data import text_suite
+from editing.errors import UserError
+from editing.jobs import checks
+from editing.jobs import experiment
+from editing.jobs import pretrain
+from editing.models import tokenizer as tokenizer_lib
+from editing.models.decoder_config import DecoderConfig
+from merging.jobs import merge
+
+SPECIALS = 4  # <pad>, <s>, </s>, <unk>
+
+
+def test_the_character_tokenizer_gives_one_id_per_character_and_survives_saving(tmp_path):
+  tokens = tokenizer_lib.characters(text_suite.ALPHABET)
+  text = 'weekday: 1987-06-23=tuesday. add: 17+25=42'
+  expected = [1] + [SPECIALS + text_suite.ALPHABET.index(c) for c in text]
+  assert tokens.encode(text) == expected
+  assert tokens.decode(tokens.encode(text), skip_special_tokens=True) == text
+  assert tokens.encode('a?b', add_special_tokens=False) == [
+      SPECIALS + text_suite.ALPHABET.index('a'), 3, SPECIALS + text_suite.ALPHABET.index('b')]
+  tokens.save(str(tmp_path))
+  read = tokenizer_lib.Tokenizer.from_directory(str(tmp_path))
+  assert read.encode(text) == expected and read.token_id('eos_token') == 2
+  assert read.vocab_size == SPECIALS + len(text_suite.ALPHABET)
+  with pytest.raises(UserError, match='each character once'):
+    tokenizer_lib.characters('abca')
+
+
+def test_every_character_of_the_suite_is_in_its_alphabet_and_every_row_fits():
+  config = text_quickstart.get_config()
+  longest = 0
+  for name in text_suite.TASKS:
+    task = text_suite.load_task(name, seed=1, train_size=500, val_size=100, test_size=100)
+    for prompt, answer in task.train + task.val + task.test:
+      assert set(prompt + answer) <= set(text_suite.ALPHABET), (name, prompt, answer)
+      longest = max(longest, len(prompt) + len(answer) + 2)  # BOS and EOS
+  for document in text_suite.pretraining_mixture(1, 2000):
+    assert set(document) <= set(text_suite.ALPHABET), document
+    longest = max(longest, len(document) + 2)
+  assert longest <= config.suite.length <= config.model.max_position_embeddings
+
+
+def test_pairs_score_the_answer_and_its_eos_and_nothing_else():
+  tokens = tokenizer_lib.characters(text_suite.ALPHABET)
+  code = {c: SPECIALS + text_suite.ALPHABET.index(c) for c in text_suite.ALPHABET}
+  data = text_finetune.pairs(tokens, [('add: 1+2=', '3'), ('sort: ba=', 'ab')], length=16)
+  assert data.tokens[0, :12].tolist() == [1] + [code[c] for c in 'add: 1+2=3'] + [2]
+  labels = np.full((2, 16), -1)
+  labels[0, 9:11] = [code['3'], 2]  # read at '=' and at '3'
+  labels[1, 9:12] = [code['a'], code['b'], 2]
+  np.testing.assert_array_equal(data.labels, labels)
+  documents = text_finetune.documents(tokens, ['a cat.'], length=10)
+  assert documents.labels[0].tolist() == [code[c] for c in 'a cat.'] + [2, -1, -1, -1]
+
+
+def test_an_example_is_right_only_when_every_scored_token_is():
+  labels = np.array([[5, 6, -1], [5, 6, -1], [7, -1, -1]])
+  predicted = np.array([[5, 6, 0], [5, 9, 0], [7, 3, 3]])
+  np.testing.assert_array_equal(evaluate.correct(predicted, labels), [True, False, True])
+  np.testing.assert_array_equal(evaluate.correct(np.array([1, 2]), np.array([1, 3])),
+                                [True, False])
+
+
+@pytest.fixture(name='tiny_decoder', scope='module')
+def tiny_decoder_fixture():
+  config = text_quickstart.get_config('tiny')
+  config.model.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+  module, apply_fn = experiment.model(config.model)
+  data = text_finetune.pairs(experiment.tokenizer(config), [('add: 1+2=', '3')], 16)
+  inputs = data.packed()
+  params = module.init(jax.random.PRNGKey(0), inputs[:, 0], inputs[:, 1],
+                       inputs[:, 2].astype(bool))['params']
+  return config, params, apply_fn
+
+
+def test_a_merge_reads_unlabeled_text_at_the_prompts_end_and_never_the_answer(tiny_decoder):
+  config, params, apply_fn = tiny_decoder
+  tokens = experiment.tokenizer(config)
+  examples = [('add: 1+2=', '3'), ('reverse: abc=', 'cba')]
+  scrambled = [('add: 1+2=', '9'), ('reverse: abc=', 'zzz')]
+  encoder = lambda theta0, p, x: apply_fn(p, x)
+  read = []
+  for pairs in (examples, scrambled):
+    rows = text_finetune.pairs(tokens, pairs, 24)
+    task = text_finetune.TextTask('t', rows, rows, rows)
+    data = merge.text_task_data(encoder, params, task, 'test', train_examples=8)
+    assert data.labels is None and len(data.images) == 2  # one sample per row
+    read.append(np.asarray(data.logits_fn(params, data.images)))
+  np.testing.assert_array_equal(read[0], read[1])
+  train = merge.text_task_data(encoder, params, task, 'train', train_examples=1)
+  assert train.labels.tolist() == tokens.encode('9', add_special_tokens=False) + [2]
+
+
+def test_a_decoder_pretrains_on_text_and_an_encoder_on_images(tmp_path):
+  config = text_quickstart.get_config('tiny')
+  config.pretrain.corpus = 'captions'
+  with pytest.raises(UserError, match="'captions' is not a corpus for a decoder.*'mixture'"):
+    pretrain.run(config, str(tmp_path))
+  assert not list(tmp_path.iterdir())
+
+
+def test_the_text_suites_settings_are_checked_for_a_decoder():
+  config = text_quickstart.get_config('tiny')
+  config.suite.val_size = 0
+  with pytest.raises(UserError, match=r'config.suite.val_size = 0'):
+    checks.validate(config)
+  config = text_quickstart.get_config('tiny')
+  config.suite.tasks = 'add,digits'
+  with pytest.raises(UserError, match=r"unknown task\(s\) \['digits'\]"):
+    experiment.tasks(config)
+
+
+def test_a_merge_that_perturbs_pixels_is_refused_for_a_decoder(tmp_path):
+  config = merge_config.get_config('text,tiny')
+  assert 'dam' not in config.merge.methods.split(',')
+  config.merge.methods = 'task_arithmetic,dam'
+  with pytest.raises(UserError, match=r"\['dam'\] perturb the inputs"):
+    merge.run(config, str(tmp_path))
+  assert not list(tmp_path.iterdir())
+
+
+def test_the_text_config_is_a_decoder_that_transformers_could_read():
+  config = text_quickstart.get_config()
+  assert experiment.is_decoder(config)
+  decoder = DecoderConfig.from_hf(experiment.weights_of(config.model.to_dict()))
+  assert decoder.vocab_size == tokenizer_lib.characters(text_suite.ALPHABET).vocab_size
+  assert not experiment.is_decoder(ml_collections.ConfigDict({'model': {'width': 8}}))
