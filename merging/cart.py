@@ -11,7 +11,8 @@ attention and MLP weight matrices are truncated (leaves whose path holds 'attn' 
 that `ops.matrices` reads as a matrix); every other leaf is τ̄ exactly, since Σ_t c_t = 0. The
 merge is applied as it is (θ0 + τ_m, the authors' λ = `prior` inside it), at their defaults
 for ViT-B/32 over 8 tasks, ρ = 0.12 and λ = 2; k = 0 (a matrix too small for ρ) leaves it at
-τ̄, as their ⌊·⌋ does.
+τ̄, as their ⌊·⌋ does. SVD_k may be found by a sketch (`svd='randomized'`, `merging.svd`)
+instead of the full SVD.
 """
 
 from typing import Sequence
@@ -23,12 +24,13 @@ from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import svd as svd_lib
 
 
-def truncated(matrix: jnp.ndarray, rank: int) -> jnp.ndarray:
+def truncated(matrix: jnp.ndarray, rank: int, svd: str) -> jnp.ndarray:
   """The matrix's best rank-`rank` approximation, U_k Σ_k V_kᵀ."""
-  u, s, vt = jnp.linalg.svd(matrix, full_matrices=False)
-  return (u[:, :rank] * s[:rank]) @ vt[:rank]
+  u, s, vt = svd_lib.top(matrix, rank, svd)
+  return (u * s) @ vt
 
 
 def is_truncated(path: str) -> bool:
@@ -39,8 +41,10 @@ def is_truncated(path: str) -> bool:
 @settings.declare(
     rank_ratio=settings.number(0.12, '(0, 1]', 'ρ: the share of a matrix\'s rank kept of each '
                                'centred vector'),
-    prior=settings.number(2.0, '[0, inf)', 'λ: the scale of the truncated centred vectors'))
-def merge(task_vectors: Sequence[TaskVector], *, rank_ratio: float, prior: float) -> TaskVector:
+    prior=settings.number(2.0, '[0, inf)', 'λ: the scale of the truncated centred vectors'),
+    svd=svd_lib.SETTING)
+def merge(task_vectors: Sequence[TaskVector], *, rank_ratio: float, prior: float,
+          svd: str) -> TaskVector:
   """The CART merge τ_m, applied as θ0 + τ_m."""
   check_compatible(task_vectors, 'cart')
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
@@ -53,6 +57,6 @@ def merge(task_vectors: Sequence[TaskVector], *, rank_ratio: float, prior: float
       continue
     centre = view.of(mean)
     rank = int(rank_ratio * min(centre.shape))
-    moved = sum(truncated(view.of(x) - centre, rank) for x in leaves)
+    moved = sum(truncated(view.of(x) - centre, rank, svd) for x in leaves)
     merged[path] = mean + prior * view.back(moved, mean.shape)
   return common.merged(task_vectors, tree_lib.unflatten(merged))

@@ -12,7 +12,9 @@ f = `common_space_fraction`:
 
 and every other leaf is the mean of the τ_t. As FusionBench's reference: Python's round (half to
 even: r = 50, T = 4 gives 2 per task) and the left projection only. Applied as θ0 + λ·Δ, λ chosen
-on validation on the authors' range 0.1 … 3.0.
+on validation on the authors' range 0.1 … 3.0. Each residual's s ≪ r triplets may be found by
+a sketch (`svd='randomized'`, `merging.svd`); the common subspace, k ≈ f·r of the sum's
+triplets, is not far enough below r for a sketch to pay and always takes the full SVD.
 """
 
 from typing import Sequence
@@ -23,6 +25,7 @@ from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import svd as svd_lib
 
 
 def subspace_sizes(rank: int, tasks: int, fraction: float) -> tuple[int, int]:
@@ -32,26 +35,29 @@ def subspace_sizes(rank: int, tasks: int, fraction: float) -> tuple[int, int]:
   return rank - specific, specific // tasks
 
 
-def merge_matrix(matrices: list, fraction: float) -> jnp.ndarray:
+def merge_matrix(matrices: list, fraction: float, svd: str) -> jnp.ndarray:
   k, s = subspace_sizes(min(matrices[0].shape), len(matrices), fraction)
   u, sigma, vt = jnp.linalg.svd(sum(matrices), full_matrices=False)
   u_c, s_c, vt_c = u[:, :k], sigma[:k], vt[:k]
   us, ss, vts = [], [], []
   for w in matrices:
-    u_t, s_t, vt_t = jnp.linalg.svd(w - u_c @ (u_c.T @ w), full_matrices=False)
-    us.append(u_t[:, :s])
-    ss.append(s_t[:s])
-    vts.append(vt_t[:s])
+    u_t, s_t, vt_t = svd_lib.top(w - u_c @ (u_c.T @ w), s, svd)
+    us.append(u_t)
+    ss.append(s_t)
+    vts.append(vt_t)
   spectrum = jnp.concatenate(ss + [s_c])
   u_all = ops.polar(jnp.concatenate(us + [u_c], axis=1))
   vt_all = ops.polar(jnp.concatenate(vts + [vt_c], axis=0))
   return jnp.mean(spectrum) * (u_all @ vt_all)
 
 
-@settings.declare(common_space_fraction=settings.number(
-    0.8, '(0, 1]', "the share of each layer's rank given to the tasks' common subspace"))
-def merge(task_vectors: Sequence[TaskVector], *, common_space_fraction: float) -> TaskVector:
+@settings.declare(
+    common_space_fraction=settings.number(
+        0.8, '(0, 1]', "the share of each layer's rank given to the tasks' common subspace"),
+    svd=svd_lib.SETTING)
+def merge(task_vectors: Sequence[TaskVector], *, common_space_fraction: float,
+          svd: str) -> TaskVector:
   """The Iso-CTS merge Δ (before λ)."""
   check_compatible(task_vectors, 'iso_cts')
   return common.merged(task_vectors, ops.per_matrix(
-      task_vectors, lambda ws: merge_matrix(ws, common_space_fraction)))
+      task_vectors, lambda ws: merge_matrix(ws, common_space_fraction, svd)))

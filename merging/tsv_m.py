@@ -9,29 +9,34 @@ k = ⌊r/T⌋ components per task,
 
 and every other leaf is the mean of the τ_t, as FusionBench's reference (TSVM_utils.py) and the
 authors' code do (the spare r − T·k slots stay empty). Applied as θ0 + λ·Δ, λ chosen on
-validation on the authors' range 0.1 … 3.0.
+validation on the authors' range 0.1 … 3.0. Only the top k = r/T triplets of each τ_t are
+read: `svd='randomized'` finds them by a sketch (`merging.svd`) instead of the full SVD.
 """
 
 from typing import Sequence
 
 import jax.numpy as jnp
 
+from editing import settings
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import svd as svd_lib
 
 
-def merge_matrix(matrices: list) -> jnp.ndarray:
+def merge_matrix(matrices: list, svd: str) -> jnp.ndarray:
   """Δ of one layer from the task matrices."""
   k = min(matrices[0].shape) // len(matrices)
-  svds = [jnp.linalg.svd(w, full_matrices=False) for w in matrices]
-  u = jnp.concatenate([u[:, :k] for u, _, _ in svds], axis=1)
-  s = jnp.concatenate([s[:k] for _, s, _ in svds])
-  v = jnp.concatenate([vt[:k].T for _, _, vt in svds], axis=1)
+  svds = [svd_lib.top(w, k, svd) for w in matrices]
+  u = jnp.concatenate([u for u, _, _ in svds], axis=1)
+  s = jnp.concatenate([s for _, s, _ in svds])
+  v = jnp.concatenate([vt.T for _, _, vt in svds], axis=1)
   return ops.polar(u) @ jnp.diag(s) @ ops.polar(v).T
 
 
-def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:
+@settings.declare(svd=svd_lib.SETTING)
+def merge(task_vectors: Sequence[TaskVector], *, svd: str) -> TaskVector:
   """The TSV-M merge Δ (before λ)."""
   check_compatible(task_vectors, 'tsv_m')
-  return common.merged(task_vectors, ops.per_matrix(task_vectors, merge_matrix))
+  return common.merged(task_vectors, ops.per_matrix(
+      task_vectors, lambda ws: merge_matrix(ws, svd)))
