@@ -82,18 +82,20 @@ class Evaluator:
   def predict(self, theta0: PyTree, params: PyTree,
               scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, np.ndarray]:
     """{key: predictions} of `scored` = {key: (head, dataset)}, from one feature pass: the
-    head's classes, or with no head (a decoder's text tasks) what the encoder predicts."""
+    head's classes, or with no head (a decoder's text) what the dataset reads off the
+    encoder's features (`text_finetune.Rows.predictions`)."""
     features = self._features(theta0, params, [data for _, data in scored.values()])
-    return {key: f if head is None else np.asarray(jnp.argmax(head_lib.logits(f, head, 1.0),
-                                                              axis=-1))
-            for (key, (head, _)), f in zip(scored.items(), features)}
+    return {key: data.predictions(f) if head is None else
+            np.asarray(jnp.argmax(head_lib.logits(f, head, 1.0), axis=-1))
+            for (key, (head, data)), f in zip(scored.items(), features)}
 
   def accuracies(self, theta0: PyTree, params: PyTree,
                  scored: Mapping[Any, tuple[Any, Dataset]]) -> dict[Any, float]:
-    """{key: accuracy} of `scored` = {key: (head, dataset)}, from one feature pass."""
+    """{key: accuracy} of `scored` = {key: (head, dataset)}, from one feature pass: what
+    each dataset scores its predictions by (classes: accuracy; text: exact match, or the
+    likelihood of held-out text)."""
     predicted = self.predict(theta0, params, scored)
-    return {key: float(np.mean(correct(predicted[key], data.labels)))
-            for key, (_, data) in scored.items()}
+    return {key: data.score(predicted[key]) for key, (_, data) in scored.items()}
 
   def predictions(self, theta0: PyTree, params: PyTree, head, data: Dataset) -> np.ndarray:
     return self.predict(theta0, params, {0: (head, data)})[0]
@@ -272,13 +274,6 @@ def disentanglement(evaluator: Evaluator, theta0: PyTree, vectors: Sequence[Task
 def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """Per example, whether two predictions differ: a class, or any token of a text answer."""
   return (a != b).reshape(len(a), -1).any(axis=1)
-
-
-def correct(predicted: np.ndarray, labels: np.ndarray) -> np.ndarray:
-  """Per example, whether it is answered right: its class, or every scored token of its answer
-  (labels −1 mark positions that are not scored)."""
-  hit = (predicted == labels) | (labels < 0)
-  return hit.reshape(len(labels), -1).all(axis=1)
 
 
 def attack_success_rate(predictions: np.ndarray, labels: np.ndarray, target: int) -> float:

@@ -66,12 +66,16 @@ class Rows:
     positions: (n, length) int32, 0, 1, ... over the real tokens; 0 on padding.
     mask: (n, length) bool, True on real tokens.
     loss_mask: (n, length) float32, 1 on answer tokens, 0 on prompt tokens and padding.
+    metric: what the evaluator scores them by (`score`): 'exact_match', the share of rows
+      whose every answer token is the argmax; or 'likelihood', exp(mean log p) of the answer
+      tokens (1 / perplexity), for held-out text.
   """
 
   tokens: np.ndarray
   positions: np.ndarray
   mask: np.ndarray
   loss_mask: np.ndarray
+  metric: str = 'exact_match'
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -97,11 +101,32 @@ class Rows:
 
   def take(self, n: int) -> 'Rows':
     """The first n rows (all of them if there are fewer)."""
-    return Rows(self.tokens[:n], self.positions[:n], self.mask[:n], self.loss_mask[:n])
+    return dataclasses.replace(self, tokens=self.tokens[:n], positions=self.positions[:n],
+                               mask=self.mask[:n], loss_mask=self.loss_mask[:n])
 
   def loaded(self) -> 'Rows':
     """The rows in memory: they always are."""
     return self
+
+  def predictions(self, features: np.ndarray) -> np.ndarray:
+    """What the evaluator's features (`predicted_tokens`: (n, length, 2), the argmax and the
+    log p of the next token) predict: the argmax at each answer position, −1 elsewhere, so
+    that weight disentanglement counts a row as changed only where its answer is; for
+    'likelihood', the log p."""
+    if self.metric == 'likelihood':
+      return features[..., 1]
+    return np.where(self.labels >= 0, features[..., 0], -1).astype(np.int32)
+
+  def correct(self, predictions: np.ndarray) -> np.ndarray:
+    """Per row, whether every answer token is the argmax (`predictions`' tokens)."""
+    labels = self.labels
+    return ((predictions == labels) | (labels < 0)).all(axis=1)
+
+  def score(self, predictions: np.ndarray) -> float:
+    """Exact match, or the likelihood exp(mean log p) over the answer tokens."""
+    if self.metric == 'likelihood':
+      return float(np.exp(predictions[self.labels >= 0].astype(np.float64).mean()))
+    return float(np.mean(self.correct(predictions)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +177,12 @@ def pairs(tokenizer: Tokenizer, examples: Sequence[tuple[str, str]], length: int
                for _, answer in examples], length=length, pad_id=_pad_id(tokenizer))
 
 
-def documents(tokenizer: Tokenizer, texts: Sequence[str], length: int) -> Rows:
+def documents(tokenizer: Tokenizer, texts: Sequence[str], length: int,
+              metric: str = 'exact_match') -> Rows:
   """Texts as rows for language modelling: every token after the first (BOS) is scored,
-  EOS included."""
-  return pairs(tokenizer, [('', text) for text in texts], length)
+  EOS included; `metric` as `Rows` takes it."""
+  return dataclasses.replace(pairs(tokenizer, [('', text) for text in texts], length),
+                             metric=metric)
 
 
 def _pad_id(tokenizer: Tokenizer) -> int:
@@ -164,10 +191,17 @@ def _pad_id(tokenizer: Tokenizer) -> int:
 
 
 def predicted_tokens(encoder):
-  """encoder(θ0, params, inputs) -> the argmax token at each position, (rows, length) int32:
-  what the evaluator brings to the host instead of a vocabulary's logits per token."""
-  return lambda theta0, params, inputs: jnp.argmax(encoder(theta0, params, inputs),
-                                                   axis=-1).astype(jnp.int32)
+  """encoder(θ0, params, inputs) -> (rows, length, 2) float32: at each position the argmax
+  token and the log p of the token that follows in the row, what the evaluator brings to the
+  host instead of a vocabulary's logits per token (ids below 2^24 are exact in float32)."""
+
+  def features(theta0, params, inputs):
+    log_p = jax.nn.log_softmax(encoder(theta0, params, inputs).astype(jnp.float32), axis=-1)
+    following = jnp.pad(inputs[:, TOKENS, 1:], ((0, 0), (0, 1)))
+    chosen = jnp.take_along_axis(log_p, following[..., None], axis=-1)[..., 0]
+    return jnp.stack([jnp.argmax(log_p, axis=-1).astype(jnp.float32), chosen], axis=-1)
+
+  return features
 
 
 def apply_fn(config: DecoderConfig, dtype=jnp.float32, remat: bool = False):

@@ -8,7 +8,6 @@ import pytest
 
 from configs import merge as merge_config
 from configs import text_quickstart
-from editing import evaluate
 from editing import text_finetune
 from editing.data import text_suite
 from editing.errors import UserError
@@ -65,12 +64,34 @@ def test_pairs_score_the_answer_and_its_eos_and_nothing_else():
   assert documents.labels[0].tolist() == [code[c] for c in 'a cat.'] + [2, -1, -1, -1]
 
 
-def test_an_example_is_right_only_when_every_scored_token_is():
-  labels = np.array([[5, 6, -1], [5, 6, -1], [7, -1, -1]])
-  predicted = np.array([[5, 6, 0], [5, 9, 0], [7, 3, 3]])
-  np.testing.assert_array_equal(evaluate.correct(predicted, labels), [True, False, True])
-  np.testing.assert_array_equal(evaluate.correct(np.array([1, 2]), np.array([1, 3])),
-                                [True, False])
+def test_a_row_is_right_only_when_every_answer_token_is_and_text_scores_its_likelihood():
+  tokens = tokenizer_lib.characters(text_suite.ALPHABET)
+  code = {c: SPECIALS + text_suite.ALPHABET.index(c) for c in text_suite.ALPHABET}
+  data = text_finetune.pairs(tokens, [('a=', 'b'), ('a=', 'b'), ('c=', 'dd')], length=6)
+  predicted = np.zeros((3, 6), np.int32)
+  predicted[0, 2:4] = [code['b'], 2]
+  predicted[1, 2:4] = [code['b'], 5]  # the answer without its EOS: greedy would go on
+  predicted[2, 2:5] = [code['d'], code['d'], 2]
+  np.testing.assert_array_equal(data.correct(predicted), [True, False, True])
+  assert data.score(predicted) == pytest.approx(2 / 3)
+  text = text_finetune.documents(tokens, ['ab', 'c'], length=5, metric='likelihood')
+  features = np.zeros((2, 5, 2), np.float32)
+  features[..., 1] = np.log([[0.5, 0.25, 0.5, 9, 9], [0.125, 1.0, 9, 9, 9]])
+  # Scored: 'a', 'b', EOS of the first row, 'c', EOS of the second; 9 marks what is not.
+  expected = np.exp(np.mean(np.log([0.5, 0.25, 0.5, 0.125, 1.0])))
+  assert text.score(text.predictions(features)) == pytest.approx(expected)
+  assert text.take(1).metric == 'likelihood'
+
+
+def test_disentanglement_sees_a_row_change_only_where_its_answer_does():
+  tokens = tokenizer_lib.characters(text_suite.ALPHABET)
+  data = text_finetune.pairs(tokens, [('a=', 'b'), ('a=', 'b')], length=6)
+  features = np.zeros((2, 6, 2), np.float32)
+  other = features.copy()
+  other[0, 0, 0] = 7  # the argmax after BOS, inside the prompt
+  other[1, 2, 0] = 7  # the argmax after '=', the answer's first token
+  before, after = data.predictions(features), data.predictions(other)
+  np.testing.assert_array_equal((before != after).any(axis=1), [False, True])
 
 
 @pytest.fixture(name='tiny_decoder', scope='module')

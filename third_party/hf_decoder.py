@@ -187,7 +187,9 @@ def load(path: str, *, dtype: Any = np.float32, mesh: Mesh | None = None,
 
 
 def export(params: Any, config: DecoderConfig, directory: str, *,
-           shard_bytes: int = 2 * 1024**3) -> None:
+           shard_bytes: int = 2 * 1024**3, extra_files: dict[str, dict] | None = None) -> None:
   """Writes params as a Hugging Face directory (config.json, safetensors shards of at most
-  `shard_bytes`) that transformers' AutoModelForCausalLM loads; atomically (`hf.save`)."""
-  hf.save(directory, from_params(params, config), config.to_hf(), shard_bytes=shard_bytes)
+  `shard_bytes`, and `extra_files`: {name: JSON content}, e.g. a tokenizer's `files()`) that
+  transformers' AutoModelForCausalLM loads; atomically (`hf.save`)."""
+  hf.save(directory, from_params(params, config), config.to_hf(), shard_bytes=shard_bytes,
+          extra_configs=extra_files)

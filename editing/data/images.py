@@ -106,6 +106,10 @@ class ImageDataset:
     """The first n examples (all of them if there are fewer)."""
     return self.subset(np.arange(min(n, len(self))))
 
+  def score(self, predictions: np.ndarray) -> float:
+    """Accuracy of predicted classes."""
+    return float(np.mean(predictions == self.labels))
+
   def loaded(self) -> suite.Dataset:
     """Every example read and decoded once, held in memory, for a protocol that scores the
     same images many times. They are 8-bit, so storing them back as uint8 loses nothing."""

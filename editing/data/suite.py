@@ -82,6 +82,10 @@ class Dataset:
     """The examples in memory: they always are."""
     return self
 
+  def score(self, predictions: np.ndarray) -> float:
+    """Accuracy of predicted classes."""
+    return float(np.mean(predictions == self.labels))
+
   def with_trigger(self, trigger: Callable[[np.ndarray], np.ndarray],
                    indices: np.ndarray | None = None, target: int | None = None) -> 'Dataset':
     """The examples at `indices` (default: all) passed through `trigger` and, unless `target`

@@ -19,7 +19,8 @@ weekday     weekday: 1987-06-23=           the date's weekday in lowercase (tues
 sentiment   sentiment: the film was dull=  positive or negative
 ==========  =============================  ===================================================
 
-The cipher's key is a permutation of the alphabet drawn from the suite's seed. The category
+The cipher's key is one permutation of the alphabet at every seed (`CIPHER_KEY`): a seed draws
+the suite's data, not its tasks, so the shipped decoder knows the key at any seed. The category
 task's vocabulary is `CATEGORIES`; the general text states each word's category ("a horse is an
 animal."), which is where a model can learn the category of a word it was not fine-tuned on.
 
@@ -33,8 +34,10 @@ not depend on the other splits' sizes or on the order tasks are generated in.
 How hard a task is comes from its span (`SPANS`): the operands' range (add), the input's length
 (copy, reverse, sort, cipher, count), the years of the dates (weekday), the words per prompt
 (category) or the templates used (sentiment, template 0 being the bare sentiment word).
-`pretraining_mixture` draws every task at `PRETRAINING_SPANS`, easier or different ranges whose
-prompts never occur in a downstream split, mixed with general text.
+`pretraining_mixture` draws every task at `PRETRAINING_SPANS`, mixed with general text: easier
+or different ranges, some overlapping the downstream ones at their easy end (strings of four
+and five letters, sums of operands up to 49), so that the pretrained model has some ability on
+each task. No pretraining input is in a downstream validation or test split.
 """
 
 import dataclasses
@@ -51,7 +54,7 @@ from editing.errors import UserError
 
 # config.suite of a text experiment: what the jobs generate and tokenize the suite with.
 SETTINGS = dict(
-    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data and the cipher key'),
+    seed=settings.integer(0, '[0, inf)', 'draws the suite\'s data'),
     tasks=settings.text('', 'the tasks, comma-separated'),
     train_size=settings.integer(5000, '[1, inf)', 'training examples per task'),
     val_size=settings.integer(500, '[1, inf)', 'validation examples per task'),
@@ -59,6 +62,9 @@ SETTINGS = dict(
     length=settings.integer(48, '[2, inf)', 'tokens per row, BOS + prompt + answer + EOS, '
                                             'padded: one compiled step serves every task'))
 CONTROL_TASK = 'copy'
+# The control of negation in the jobs: the likelihood of held-out general text
+# (`general_text`), which a model keeps unless an edit harms its language at large.
+HELD_OUT_TEXT = 'general_text'
 DOWNSTREAM_TASKS = ('add', 'reverse', 'sort', 'cipher', 'count', 'category', 'weekday',
                     'sentiment')
 TASKS = (CONTROL_TASK,) + DOWNSTREAM_TASKS
@@ -95,12 +101,14 @@ _SENTIMENT_NOUNS = ('film', 'food', 'song', 'book', 'game', 'meal', 'show', 'tri
 _SENTIMENT_TEMPLATES = ('{a}', 'the {n} was {a}', 'the {n} is {a}', 'a very {a} {n}',
                         'this {n} is {a}', 'my {n} was {a}')
 
-# Downstream spans (inclusive ranges) and the pretraining mixture's, disjoint from them.
+# Downstream spans (inclusive ranges) and the pretraining mixture's. A mixture disjoint from
+# the downstream spans made a decoder with no ability on five of the eight tasks: trained on
+# strings of one to three letters, it did not generalise to four.
 SPANS = {'copy': (4, 7), 'add': (10, 99), 'reverse': (4, 7), 'sort': (4, 7), 'cipher': (4, 7),
          'count': (6, 12), 'category': (1, 1), 'weekday': (1900, 1999), 'sentiment': (1, 5)}
-PRETRAINING_SPANS = {'copy': (1, 3), 'add': (0, 9), 'reverse': (1, 3), 'sort': (1, 3),
-                     'cipher': (1, 3), 'count': (1, 5), 'category': (2, 2),
-                     'weekday': (2000, 2099), 'sentiment': (0, 0)}
+PRETRAINING_SPANS = {'copy': (1, 5), 'add': (0, 49), 'reverse': (1, 5), 'sort': (1, 5),
+                     'cipher': (1, 5), 'count': (1, 8), 'category': (2, 2),
+                     'weekday': (2000, 2099), 'sentiment': (0, 1)}
 
 _SPLIT_STREAMS = {'train': 0, 'val': 1, 'test': 2}
 _MIXTURE_STREAM = 3
@@ -132,10 +140,14 @@ def _letters(rng, span, alphabet: str = LETTERS) -> str:
   return ''.join(alphabet[i] for i in rng.integers(len(alphabet), size=length))
 
 
-def cipher_key(seed: int) -> dict[str, str]:
-  """The cipher task's substitution key of the suite `seed`: plain letter → cipher letter."""
-  order = _rng(seed, 'cipher', _CIPHER_STREAM).permutation(len(LETTERS))
+def _cipher_key() -> dict[str, str]:
+  """The cipher task's substitution key, plain letter → cipher letter: a permutation drawn
+  once from a stream of seed 0."""
+  order = _rng(0, 'cipher', _CIPHER_STREAM).permutation(len(LETTERS))
   return {plain: LETTERS[i] for plain, i in zip(LETTERS, order)}
+
+
+CIPHER_KEY = _cipher_key()
 
 
 def _weekday(year: int, month: int, day: int) -> str:
@@ -193,27 +205,27 @@ def _answer_count(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-  """How a task draws an input at a span, and answers it (given the suite's cipher key)."""
+  """How a task draws an input at a span, and answers it."""
 
   draw: Callable[[np.random.Generator, tuple[int, int]], str]
-  answer: Callable[[str, dict[str, str]], str]
+  answer: Callable[[str], str]
 
 
 _SPECS = {
-    'copy': _Spec(_letters, lambda text, key: text),
-    'add': _Spec(_sum_input, lambda text, key: str(sum(int(n) for n in text.split('+')))),
-    'reverse': _Spec(_letters, lambda text, key: text[::-1]),
-    'sort': _Spec(_letters, lambda text, key: ''.join(sorted(text))),
-    'cipher': _Spec(_letters, lambda text, key: ''.join(key[c] for c in text)),
-    'count': _Spec(_count_input, lambda text, key: _answer_count(text)),
-    'category': _Spec(_category_input, lambda text, key: _CATEGORY_OF[text.split()[0]]),
-    'weekday': _Spec(_date, lambda text, key: _answer_weekday(text)),
-    'sentiment': _Spec(_sentiment_input, lambda text, key: _sentiment(text)),
+    'copy': _Spec(_letters, lambda text: text),
+    'add': _Spec(_sum_input, lambda text: str(sum(int(n) for n in text.split('+')))),
+    'reverse': _Spec(_letters, lambda text: text[::-1]),
+    'sort': _Spec(_letters, lambda text: ''.join(sorted(text))),
+    'cipher': _Spec(_letters, lambda text: ''.join(CIPHER_KEY[c] for c in text)),
+    'count': _Spec(_count_input, lambda text: _answer_count(text)),
+    'category': _Spec(_category_input, lambda text: _CATEGORY_OF[text.split()[0]]),
+    'weekday': _Spec(_date, lambda text: _answer_weekday(text)),
+    'sentiment': _Spec(_sentiment_input, lambda text: _sentiment(text)),
 }
 
 
-def _example(name: str, text: str, key: dict[str, str]) -> Example:
-  return f'{name}: {text}=', _SPECS[name].answer(text, key)
+def _example(name: str, text: str) -> Example:
+  return f'{name}: {text}=', _SPECS[name].answer(text)
 
 
 @functools.lru_cache(maxsize=8)
@@ -226,20 +238,20 @@ def _word_buckets(seed: int) -> dict[str, int]:
 
 def _split_of(seed: int, name: str, text: str) -> str:
   """The one split a downstream input belongs to: test a tenth, val a tenth, train the rest."""
-  if name == 'category':
-    bucket = _word_buckets(seed)[text]
+  if name == 'category':  # by the first word, where pretraining's prompts have several
+    bucket = _word_buckets(seed)[text.split()[0]]
   else:
     bucket = zlib.crc32(f'{seed}/{name}/{text}'.encode()) % 10
   return 'test' if bucket == 0 else 'val' if bucket == 1 else 'train'
 
 
 def _split(seed: int, name: str, split: str, size: int) -> tuple[Example, ...]:
-  rng, key = _rng(seed, name, _SPLIT_STREAMS[split]), cipher_key(seed)
+  rng = _rng(seed, name, _SPLIT_STREAMS[split])
   examples = []
   while len(examples) < size:
     text = _SPECS[name].draw(rng, SPANS[name])
     if _split_of(seed, name, text) == split:
-      examples.append(_example(name, text, key))
+      examples.append(_example(name, text))
   return tuple(examples)
 
 
@@ -255,7 +267,7 @@ def load_task(name: str, *, seed: int = 0, train_size: int = 5000, val_size: int
 
   Args:
     name: one of `TASKS`.
-    seed: the suite's seed; the same seed gives the same examples, and it draws the cipher key.
+    seed: the suite's seed; the same seed gives the same examples.
     train_size: training examples.
     val_size: validation examples.
     test_size: test examples.
@@ -315,13 +327,13 @@ def pretraining_mixture(seed: int, size: int, *, text_share: float = 0.5,
   """A pretraining corpus: every task at easier or different spans, mixed with general text.
 
   A model pretrained on it should start with some ability on each task and solve none: it sees
-  each task's format and skill on inputs the downstream splits never hold (one-digit sums,
-  strings of one to three letters, this century's dates, two words of a category, bare
-  sentiment words), and the category of every word in the general text's facts.
+  each task's format and skill at easier spans (sums of operands up to 49, strings of one to
+  five letters, this century's dates, two words of a category, bare sentiment words and one
+  template), never on an input of a downstream validation or test split, and the category of
+  every word in the general text's facts.
 
   Args:
-    seed: the suite's seed, which draws the cipher key the mixture enciphers with; the mixture
-      draws its examples from a stream of its own.
+    seed: the suite's seed; the mixture draws its examples from a stream of its own.
     size: documents in the corpus.
     text_share: the share of documents that are a general-text sentence; the others are task
       examples, the tasks (control included) equally likely.
@@ -338,14 +350,17 @@ def pretraining_mixture(seed: int, size: int, *, text_share: float = 0.5,
   if unknown:
     raise UserError(f'spans names unknown tasks {unknown}; the text suite has {TASKS}')
   spans = {**PRETRAINING_SPANS, **(spans or {})}
-  rng, key = _rng(seed, 'pretraining_mixture', _MIXTURE_STREAM), cipher_key(seed)
+  rng = _rng(seed, 'pretraining_mixture', _MIXTURE_STREAM)
   documents = []
   for _ in range(size):
     if rng.uniform() < text_share:
       documents.append(_sentence(rng))
     else:
       name = TASKS[rng.integers(len(TASKS))]
-      documents.append(''.join(_example(name, _SPECS[name].draw(rng, spans[name]), key)))
+      text = _SPECS[name].draw(rng, spans[name])
+      while _split_of(seed, name, text) != 'train':
+        text = _SPECS[name].draw(rng, spans[name])
+      documents.append(''.join(_example(name, text)))
   return documents
 
 

@@ -10,7 +10,8 @@ The data is the built-in suite (`config.suite`), or, when the config has a `data
 A config whose `model` is a Hugging Face config.json's fields (it has a `model_type`,
 configs/text_quickstart.py) is a decoder language model's on the built-in text suite
 (`editing.data.text_suite`): its tasks are rows of tokens (`editing.text_finetune`), it has no
-heads, and an example is right when its whole answer is (exact match).
+heads, an example is right when its whole answer is (exact match), and negation's control
+is the likelihood of held-out general text (1 / its perplexity).
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
+import numpy as np
 
 from editing import checkpoint
 from editing import evaluate
@@ -82,8 +84,10 @@ def _suite(config: ml_collections.ConfigDict):
 
 def control_task(config: ml_collections.ConfigDict) -> str:
   """The task negation must not harm: the suite's shapes, or `config.data.control`."""
+  if is_decoder(config):
+    return text_suite.HELD_OUT_TEXT
   if not on_disk(config):
-    return _suite(config).CONTROL_TASK
+    return suite.CONTROL_TASK
   if not config.data.control:
     raise UserError('config.data.control is empty: name the dataset under config.data_root '
                     'that negation must not harm (the papers use ImageNet)')
@@ -133,11 +137,7 @@ def _section(config: ml_collections.ConfigDict, name: str) -> dict | None:
 def load_task(config: ml_collections.ConfigDict, name: str):
   """A task's data: a `suite.Task` of images, or a `text_finetune.TextTask` of token rows."""
   if is_decoder(config):
-    task = text_suite.load_task(name, seed=config.suite.seed, train_size=config.suite.train_size,
-                                val_size=config.suite.val_size, test_size=config.suite.test_size)
-    tokens = tokenizer(config)
-    return text_finetune.TextTask(name, *(text_finetune.pairs(tokens, split, config.suite.length)
-                                          for split in (task.train, task.val, task.test)))
+    return _text_task(config, name)
   if on_disk(config):
     return images.load_task(config.data_root, name, val_fraction=config.data.val_fraction,
                             seed=config.data.seed,
@@ -145,6 +145,23 @@ def load_task(config: ml_collections.ConfigDict, name: str):
   size = config.suite.pretrain_size if name == suite.CONTROL_TASK else config.suite.train_size
   return suite.load_task(name, seed=config.suite.seed, train_size=size,
                          test_size=config.suite.test_size, val_fraction=config.suite.val_fraction)
+
+
+def _text_task(config: ml_collections.ConfigDict, name: str) -> text_finetune.TextTask:
+  """A text suite task as token rows; `text_suite.HELD_OUT_TEXT`, negation's control, is
+  general text scored by its likelihood, in splits of the same sizes."""
+  tokens, suite_config = tokenizer(config), config.suite
+  if name == text_suite.HELD_OUT_TEXT:
+    sizes = (suite_config.train_size, suite_config.val_size, suite_config.test_size)
+    text = text_suite.general_text(suite_config.seed, sum(sizes))
+    ends = np.cumsum(sizes)
+    return text_finetune.TextTask(name, *(
+        text_finetune.documents(tokens, text[end - size:end], suite_config.length,
+                                metric='likelihood') for size, end in zip(sizes, ends)))
+  task = text_suite.load_task(name, seed=suite_config.seed, train_size=suite_config.train_size,
+                              val_size=suite_config.val_size, test_size=suite_config.test_size)
+  return text_finetune.TextTask(name, *(text_finetune.pairs(tokens, split, suite_config.length)
+                                        for split in (task.train, task.val, task.test)))
 
 
 def tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:

@@ -120,17 +120,23 @@ class Tokenizer:
     """The number of ids, added tokens included."""
     return self.backend.get_vocab_size(with_added_tokens=True)
 
-  def save(self, directory: str) -> None:
-    """Writes tokenizer.json and tokenizer_config.json (the special tokens, BOS added or not)
-    into `directory`, which `from_directory` reads back to the same tokenizer."""
-    os.makedirs(directory, exist_ok=True)
-    self.backend.save(os.path.join(directory, 'tokenizer.json'))
+  def files(self) -> dict[str, dict]:
+    """{file name: JSON content} of tokenizer.json and tokenizer_config.json (the special
+    tokens, whether BOS is added, the chat template), which `from_directory` reads back to
+    the same tokenizer."""
     settings = {name: token for name, token in self.special.items() if token is not None}
     settings['add_bos_token'] = self.adds_bos
     if self.chat_template is not None:
       settings['chat_template'] = self.chat_template
-    with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
-      json.dump(settings, f, indent=1)
+    return {'tokenizer.json': json.loads(self.backend.to_str()),
+            'tokenizer_config.json': settings}
+
+  def save(self, directory: str) -> None:
+    """Writes `files()` into `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    for name, content in self.files().items():
+      with open(os.path.join(directory, name), 'w') as f:
+        json.dump(content, f, indent=1)
 
   @property
   def adds_bos(self) -> bool:
