@@ -217,10 +217,10 @@ _SPECS = {
     'reverse': _Spec(_letters, lambda text: text[::-1]),
     'sort': _Spec(_letters, lambda text: ''.join(sorted(text))),
     'cipher': _Spec(_letters, lambda text: ''.join(CIPHER_KEY[c] for c in text)),
-    'count': _Spec(_count_input, lambda text: _answer_count(text)),
+    'count': _Spec(_count_input, _answer_count),
     'category': _Spec(_category_input, lambda text: _CATEGORY_OF[text.split()[0]]),
-    'weekday': _Spec(_date, lambda text: _answer_weekday(text)),
-    'sentiment': _Spec(_sentiment_input, lambda text: _sentiment(text)),
+    'weekday': _Spec(_date, _answer_weekday),
+    'sentiment': _Spec(_sentiment_input, _sentiment),
 }
 
 
