@@ -19,6 +19,7 @@ from editing.errors import UserError
 from editing.jobs import experiment
 from editing.jobs import pretrain
 from editing.jobs import quickstart
+from editing.jobs import text_data
 from editing.jobs import workdir as workdir_lib
 from editing.models.decoder_config import DecoderConfig
 from merging.jobs import export
@@ -59,7 +60,7 @@ def test_exact_match_is_the_share_of_greedy_answers_that_are_the_answer(text_run
   theta0, apply_fn = experiment.load_pretrained(workdir, config.model)
   vector, _ = checkpoint.load_task_vector(workdir_lib.task_vector_file(workdir, 'full', 'sort'))
   params = vector.apply_to(theta0)
-  tokens = experiment.tokenizer(config)
+  tokens = text_data.tokenizer(config)
   examples = text_suite.load_task('sort', seed=config.suite.seed, train_size=1,
                                   val_size=1, test_size=config.suite.test_size).test
   data = experiment.load_task(config, 'sort').test
@@ -112,7 +113,7 @@ def test_a_merge_exports_to_a_causal_lm_and_tokenizer_that_transformers_loads(te
   model = transformers.AutoModelForCausalLM.from_pretrained(config.export.output)
   tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(config.export.output)
   prompt = 'sort: dbca='
-  ids = experiment.tokenizer(config).encode(prompt)
+  ids = text_data.tokenizer(config).encode(prompt)
   assert tokenizer(prompt)['input_ids'] == ids
   with torch.no_grad():
     theirs = model(torch.tensor([ids])).logits.numpy()[0]

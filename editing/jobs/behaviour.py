@@ -43,6 +43,7 @@ from editing.jobs import experiment
 from editing.jobs import finetune
 from editing.jobs import pretrain
 from editing.jobs import report
+from editing.jobs import text_data
 from editing.jobs import workdir as workdir_lib
 from editing.models.decoder_config import DecoderConfig
 
@@ -106,7 +107,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       'suite_length': config.suite.length, 'base_model': experiment.weights_of(
           config.model.to_dict()), 'theta0': tree_lib.fingerprint(theta0)})
   workdir_lib.use_compilation_cache(workdir)
-  tokens = experiment.tokenizer(config)
+  tokens = text_data.tokenizer(config)
   decoder = DecoderConfig.from_hf(experiment.weights_of(config.model.to_dict()))
 
   def trained(name, training, start, share, sentences, seed):

@@ -9,7 +9,7 @@ The data is the built-in suite (`config.suite`), or, when the config has a `data
 
 A config whose `model` is a Hugging Face config.json's fields (it has a `model_type`,
 configs/text_quickstart.py) is a decoder language model's on the built-in text suite
-(`editing.data.text_suite`): its tasks are rows of tokens (`editing.text_finetune`), it has no
+(`editing.data.text_suite`): its tasks are rows of tokens (`editing.jobs.text_data`), it has no
 heads, an example is right when its whole answer is (exact match), and negation's control
 is the likelihood of held-out general text (1 / its perplexity).
 """
@@ -23,7 +23,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 
 from editing import checkpoint
 from editing import evaluate
@@ -36,12 +35,12 @@ from editing.data import suite
 from editing.data import text_suite
 from editing.data import triggers
 from editing.errors import UserError
+from editing.jobs import text_data
 from editing.jobs import workdir as workdir_lib
 from editing.models import decoder
 from editing.models import head as head_lib
 from editing.models import hf
 from editing.models import text
-from editing.models import tokenizer as tokenizer_lib
 from editing.models.decoder_config import DecoderConfig
 from editing.models import vit
 from editing.models import zero_shot
@@ -137,7 +136,7 @@ def _section(config: ml_collections.ConfigDict, name: str) -> dict | None:
 def load_task(config: ml_collections.ConfigDict, name: str):
   """A task's data: a `suite.Task` of images, or a `text_finetune.TextTask` of token rows."""
   if is_decoder(config):
-    return _text_task(config, name)
+    return text_data.load_task(config, name)
   if on_disk(config):
     return images.load_task(config.data_root, name, val_fraction=config.data.val_fraction,
                             seed=config.data.seed,
@@ -145,29 +144,6 @@ def load_task(config: ml_collections.ConfigDict, name: str):
   size = config.suite.pretrain_size if name == suite.CONTROL_TASK else config.suite.train_size
   return suite.load_task(name, seed=config.suite.seed, train_size=size,
                          test_size=config.suite.test_size, val_fraction=config.suite.val_fraction)
-
-
-def _text_task(config: ml_collections.ConfigDict, name: str) -> text_finetune.TextTask:
-  """A text suite task as token rows; `text_suite.HELD_OUT_TEXT`, negation's control, is
-  general text scored by its likelihood, in splits of the same sizes."""
-  tokens, suite_config = tokenizer(config), config.suite
-  if name == text_suite.HELD_OUT_TEXT:
-    sizes = (suite_config.train_size, suite_config.val_size, suite_config.test_size)
-    text = text_suite.general_text(suite_config.seed, sum(sizes))
-    ends = np.cumsum(sizes)
-    return text_finetune.TextTask(name, *(
-        text_finetune.documents(tokens, text[end - size:end], suite_config.length,
-                                metric='likelihood') for size, end in zip(sizes, ends)))
-  task = text_suite.load_task(name, seed=suite_config.seed, train_size=suite_config.train_size,
-                              val_size=suite_config.val_size, test_size=suite_config.test_size)
-  return text_finetune.TextTask(name, *(text_finetune.pairs(tokens, split, suite_config.length)
-                                        for split in (task.train, task.val, task.test)))
-
-
-def tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
-  """The text suite's tokenizer: one token per character of its alphabet."""
-  del config  # one for every text experiment; a config naming its own would pass it here
-  return tokenizer_lib.characters(text_suite.ALPHABET)
 
 
 def data_settings(config: ml_collections.ConfigDict, *suite_fields: str) -> dict:

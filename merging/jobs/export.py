@@ -20,6 +20,7 @@ from editing import distributed
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
+from editing.jobs import text_data
 from editing.jobs import workdir as workdir_lib
 from editing.models import hf
 from editing.models.decoder_config import DecoderConfig
@@ -44,7 +45,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
   if distributed.is_primary() and decoder:
     hf_decoder.export(params, DecoderConfig.from_hf(experiment.weights_of(model)),
                       settings.output, shard_bytes=settings.shard_bytes,
-                      extra_files=experiment.tokenizer(config).files())
+                      extra_files=text_data.tokenizer(config).files())
   elif distributed.is_primary():
     hf.export(settings.output, params, model, 'clip_vision', shard_bytes=settings.shard_bytes)
   distributed.sync(f'exported {settings.output}')
