@@ -21,19 +21,25 @@ import ml_collections
 import merging
 from configs import quickstart
 from configs import text_quickstart
+from configs import text_smollm2
 from editing import settings
 from merging.jobs import merge as merge_job
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """`arg`: comma-separated, 'text' for the text suite's experiment
-  (configs/text_quickstart.py), 'tiny' for its seconds-long variant."""
+  (configs/text_quickstart.py) or 'smollm2' for it on SmolLM2-135M (configs/text_smollm2.py),
+  'tiny' for the seconds-long variant of either suite's quickstart."""
   words = set((arg or '').split(',')) - {''}
-  unknown = words - {'text', 'tiny'}
-  if unknown:
-    raise ValueError(f'unknown config arguments {sorted(unknown)}; use "text", "tiny" or both')
+  unknown = words - {'text', 'smollm2', 'tiny'}
+  if unknown or {'text', 'smollm2'} <= words or {'smollm2', 'tiny'} <= words:
+    raise ValueError(f'config arguments {sorted(words)}: use "text" or "smollm2", and "tiny" '
+                     'with "text" or alone')
   size = 'tiny' if 'tiny' in words else None
-  config = (text_quickstart if 'text' in words else quickstart).get_config(size)
+  if 'smollm2' in words:
+    config = text_smollm2.get_config()
+  else:
+    config = (text_quickstart if 'text' in words else quickstart).get_config(size)
 
   # Which methods, λ's grid 0, lambda_step, ..., each method's lambda_max (merging/__init__.py:
   # 1, the authors' 3 for the SVD-era merges, 2 for TIES and Breadcrumbs), and the examples per
@@ -42,10 +48,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # methods also run with LiNeS' depth scaling (merging/lines.py), each as <method>+lines.
   config.merge = settings.defaults(merge_job.MERGE)
   config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
-                          'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,regmean_plusplus,'
-                          'adamerging_task,adamerging_layer,dam')
+                          'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,'
+                          'regmean_plusplus,adamerging_task,adamerging_layer,dam')
 
-  if 'text' in words:
+  if words & {'text', 'smollm2'}:
     # DAM perturbs pixels; tokens have no such space.
     config.merge.methods = config.merge.methods.replace(',dam', '')
 

@@ -1,6 +1,8 @@
 """The text suite through the jobs: its tokenizer, its rows, exact match, and what the jobs
 refuse of a decoder's experiment."""
 
+import os
+
 import jax
 import ml_collections
 import numpy as np
@@ -9,14 +11,18 @@ import pytest
 from configs import merge as merge_config
 from configs import text_quickstart
 from editing import text_finetune
+from editing import tree as tree_lib
 from editing.data import text_suite
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import pretrain
+from editing.jobs import text_data
+from editing.models import gguf
 from editing.models import tokenizer as tokenizer_lib
 from editing.models.decoder_config import DecoderConfig
 from merging.jobs import merge
+from tests import tiny_gguf
 
 SPECIALS = 4  # <pad>, <s>, </s>, <unk>
 
@@ -100,7 +106,7 @@ def tiny_decoder_fixture():
   config.model.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1)
   module, apply_fn = experiment.model(config.model)
-  data = text_finetune.pairs(experiment.tokenizer(config), [('add: 1+2=', '3')], 16)
+  data = text_finetune.pairs(text_data.tokenizer(config), [('add: 1+2=', '3')], 16)
   inputs = data.packed()
   params = module.init(jax.random.PRNGKey(0), inputs[:, 0], inputs[:, 1],
                        inputs[:, 2].astype(bool))['params']
@@ -109,7 +115,7 @@ def tiny_decoder_fixture():
 
 def test_a_merge_reads_unlabeled_text_at_the_prompts_end_and_never_the_answer(tiny_decoder):
   config, params, apply_fn = tiny_decoder
-  tokens = experiment.tokenizer(config)
+  tokens = text_data.tokenizer(config)
   examples = [('add: 1+2=', '3'), ('reverse: abc=', 'cba')]
   scrambled = [('add: 1+2=', '9'), ('reverse: abc=', 'zzz')]
   encoder = lambda theta0, p, x: apply_fn(p, x)
@@ -159,3 +165,48 @@ def test_the_text_config_is_a_decoder_that_transformers_could_read():
   decoder = DecoderConfig.from_hf(experiment.weights_of(config.model.to_dict()))
   assert decoder.vocab_size == tokenizer_lib.characters(text_suite.ALPHABET).vocab_size
   assert not experiment.is_decoder(ml_collections.ConfigDict({'model': {'width': 8}}))
+
+
+def test_real_weights_are_theta0_and_their_tokenizer_reads_the_suite(tmp_path):
+  path = str(tmp_path / 'm.gguf')
+  tiny_gguf.write(path, tiny_gguf.llama_tensors(tied=True), add_bos=True)
+  config = text_quickstart.get_config('tiny')
+  config.weights = path
+  _, expected, file_tokenizer = gguf.load_gguf(path)
+  model = gguf.File(path).config
+  config.model = ml_collections.ConfigDict(dict(
+      DecoderConfig.from_hf(model).to_hf(), hidden_size=model['hidden_size'] * 2,
+      dtype='float32'))
+  with pytest.raises(UserError, match=r'is not the model the config describes: '
+                                      r'config.model.hidden_size = 512 \(checkpoint: 256\)'):
+    pretrain.run(config, str(tmp_path / 'wrong'))
+  assert not os.path.exists(tmp_path / 'wrong' / 'pretrain' / 'params.safetensors')
+
+  config.model.hidden_size = model['hidden_size']
+  pretrain.run(config, str(tmp_path / 'workdir'))
+  theta0, _ = experiment.load_pretrained(str(tmp_path / 'workdir'), config.model)
+  for leaf, value in tree_lib.flatten(expected).items():
+    np.testing.assert_array_equal(tree_lib.flatten(theta0)[leaf], value, err_msg=leaf)
+  tokens = text_data.tokenizer(config)
+  prompt, answer = 'add: 12+34=', '46'
+  assert tokens.encode(prompt, add_special_tokens=False) == file_tokenizer.encode(
+      prompt, add_special_tokens=False)
+  rows = text_data.load_task(config, 'reverse').train
+  assert rows.tokens.shape[1] == config.suite.length
+  data = text_finetune.pairs(tokens, [(prompt, answer)], 24)
+  bos, eos = file_tokenizer.token_id('bos_token'), file_tokenizer.token_id('eos_token')
+  assert data.tokens[0, data.mask[0]].tolist() == (
+      [bos] + file_tokenizer.encode(prompt, add_special_tokens=False)
+      + file_tokenizer.encode(answer, add_special_tokens=False) + [eos])
+
+
+def test_launch_finetune_takes_the_configs_tasks_and_names_another(tmp_path, run_python):
+  args = ['-m', 'launch.finetune', '--config=configs/text_quickstart.py:tiny',
+          f'--workdir={tmp_path}']
+  proc = run_python(args + ['--task=digits'], check=False)
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      'error: --task=digits is not a task of this experiment; choose one of reverse,sort,cipher')
+  proc = run_python(args + ['--task=sort'], check=False)
+  assert proc.returncode == 1
+  assert 'error: no pretrained backbone at' in proc.stderr.strip().splitlines()[-1]

@@ -20,6 +20,7 @@ from editing import text_finetune
 from editing import train
 from editing import tree as tree_lib
 from editing.data import triggers
+from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
@@ -115,7 +116,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, task_name: str,
 
 
 def run_regimes(config: ml_collections.ConfigDict, workdir: str, task_name: str) -> None:
-  """Fine-tunes `task_name` in every regime of `config.regimes`."""
+  """Fine-tunes `task_name`, one of the experiment's tasks, in every regime of
+  `config.regimes`."""
+  known = experiment.tasks(config)
+  if task_name not in known:
+    raise UserError(f'--task={task_name} is not a task of this experiment; choose one of '
+                    f'{",".join(known)}')
   for regime in experiment.configured_regimes(config):
     run(config, workdir, task_name, regime)
 

@@ -1,11 +1,12 @@
 """The backbone θ0: imported from real weights, the suite's shipped one, or pretrained with a
 cosine head learned jointly and then discarded.
 
-With `config.weights` (a CLIP directory, Hugging Face's or open_clip's), θ0 is its image
-tower, imported once into the workdir. Otherwise θ0 is the suite's: by default the backbone the
-project ships (`SHIPPED`, a safetensors file beside its record: sha256, model, pretraining
-settings, the command that regenerates it), copied into the workdir after its hash and settings
-are checked against the config. `config.pretrain.from_scratch` pretrains instead, on
+With `config.weights`, θ0 is imported once into the workdir: a CLIP directory's image tower
+(Hugging Face's or open_clip's), or, for a decoder, a Hugging Face causal LM directory or a
+GGUF file. Otherwise θ0 is the suite's: by default the backbone the project ships (`SHIPPED`,
+a safetensors file beside its record: sha256, model, pretraining settings, the command that
+regenerates it), copied into the workdir after its hash and settings are checked against the
+config. `config.pretrain.from_scratch` pretrains instead, on
 `config.pretrain.corpus`:
 - 'captions': every word of a captioned scene (`editing.data.captions`): broad attributes at a
   coarser grain than the downstream tasks, a multi-label sigmoid per word;
@@ -40,6 +41,7 @@ from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import experiment
 from editing.jobs import finetune
+from editing.jobs import text_data
 from editing.jobs import workdir as workdir_lib
 from editing.models import head as head_lib
 from editing.models import hf
@@ -98,18 +100,25 @@ def shipped_backbone(config: ml_collections.ConfigDict) -> str:
 
 
 def import_weights(config: ml_collections.ConfigDict, out: str) -> None:
-  """θ0 from the image tower of the CLIP checkpoint `config.weights` (Hugging Face's layout or
-  open_clip's), written to `out` once its architecture is the one `config.model` describes."""
-  params, model = hf.load(config.weights, hf.clip_towers(config.weights)[0],
-                          dtype=config.model.dtype)
+  """θ0 from `config.weights`, written to `out` once its architecture is the one
+  `config.model` describes: for a decoder, a Hugging Face causal LM directory or a GGUF file
+  (`text_data.load_weights`); otherwise the image tower of a CLIP checkpoint (Hugging Face's
+  layout or open_clip's)."""
   wanted = config.model.to_dict()
+  if experiment.is_decoder(config):
+    params, model = text_data.load_weights(config.weights)
+    # The compute dtype is the config's to choose; the file's is how it stores its weights.
+    model, wanted = experiment.weights_of(model), experiment.weights_of(wanted)
+  else:
+    params, model = hf.load(config.weights, hf.clip_towers(config.weights)[0],
+                            dtype=config.model.dtype)
   differences = [f'config.model.{key} = {wanted.get(key)!r} (checkpoint: {model.get(key)!r})'
                  for key in sorted(wanted.keys() | model.keys())
                  if _plain(wanted.get(key)) != _plain(model.get(key))]
   if differences:
     raise UserError(f'{config.weights} is not the model the config describes: '
                     f'{"; ".join(differences)}; choose the config variant of these weights')
-  checkpoint.save_tree(out, params, {'model': wanted})
+  checkpoint.save_tree(out, params, {'model': config.model.to_dict()})
   logging.info('imported θ0 from %s to %s', config.weights, out)
 
 
@@ -177,7 +186,7 @@ def _pretrain_decoder(config: ml_collections.ConfigDict, directory: str):
   too): one backbone serves every suite seed."""
   module, apply_fn = experiment.model(config.model)
   texts = text_suite.pretraining_mixture(config.pretrain.seed, config.pretrain.corpus_size)
-  data = text_finetune.documents(experiment.tokenizer(config), texts, config.suite.length)
+  data = text_finetune.documents(text_data.tokenizer(config), texts, config.suite.length)
   params = sharding.init_sharded(
       lambda key, inputs: module.init(key, inputs[:, text_finetune.TOKENS],
                                       inputs[:, text_finetune.POSITIONS],
