@@ -33,9 +33,10 @@ REPLICATED_RULES = (('.*', ()),)
 LOGICAL_AXES = (
     (r'(.*/)?attn/(key|value)/kernel$', ('embed', 'kv_heads', 'head_dim')),
     (r'(.*/)?attn/(key|value)/bias$', ('kv_heads', 'head_dim')),
-    (r'blocks_\d+/mlp/(gate|up)/kernel$', ('embed', 'mlp')),
+    (r'blocks_\d+/mlp/(experts_\d+/)?(gate|up)/kernel$', ('embed', 'mlp')),
     (r'blocks_\d+/mlp/(gate|up)/bias$', ('mlp',)),
-    (r'blocks_\d+/mlp/down/kernel$', ('mlp', 'embed')),
+    (r'blocks_\d+/mlp/(experts_\d+/)?down/kernel$', ('mlp', 'embed')),
+    (r'blocks_\d+/mlp/router/kernel$', ('embed', None)),
     (r'embed/embedding$', ('vocab', 'embed')),
     (r'lm_head/kernel$', ('embed', 'vocab')),
     (r'(.*/)?attn/query/kernel$', ('embed', 'heads', 'head_dim')),

@@ -30,6 +30,8 @@ FAMILIES = {
                              original_max_position_embeddings=8))),
     'mistral': (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(sliding_window=WINDOW)),
+    'mixtral': (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
     'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
     'gemma2': (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
@@ -168,6 +170,30 @@ def test_unknown_field_architecture_and_model_type_are_refused_by_name():
       DecoderConfig.from_hf(given)
   with pytest.raises(UserError, match=r'rope_parameters.rope_type .*yarn'):
     DecoderConfig.from_hf(dict(given, rope_parameters=dict(rope_type='yarn', factor=2.0)))
+
+
+def test_a_mixture_of_equal_experts_computes_the_dense_model(saved):
+  """Mixtral's routing weights sum to 1 over the chosen experts: when every expert is the
+  dense model's MLP, whatever the router chooses, the logits are the dense model's."""
+  model, _, dense_config, dense = saved('mistral')
+  config = DecoderConfig.from_hf(dict(
+      dense_config.to_hf(), model_type='mixtral', architectures=['MixtralForCausalLM'],
+      num_local_experts=3, num_experts_per_tok=2))
+  rng = np.random.default_rng(0)
+  experts = {}
+  for path, leaf in tree_lib.flatten(dense).items():
+    layer, mlp, rest = path.partition('/mlp/')
+    for e in range(3) if mlp else ():
+      experts[f'{layer}/mlp/experts_{e}/{rest}'] = leaf
+    if mlp and rest == 'gate/kernel':
+      experts[f'{layer}/mlp/router/kernel'] = rng.normal(size=(SIZES['hidden_size'], 3))
+    if not mlp:
+      experts[path] = leaf
+  tokens = random_tokens()
+  got = ours(config, tree_lib.unflatten(experts), tokens, np.ones_like(tokens, bool))
+  np.testing.assert_allclose(got, theirs(model, tokens), rtol=0, atol=ATOL)
+  with pytest.raises(UserError, match='num_experts_per_tok = 4 exceeds num_local_experts = 3'):
+    DecoderConfig.from_hf(dict(config.to_hf(), num_experts_per_tok=4))
 
 
 def test_tensors_that_do_not_fit_are_named(saved):

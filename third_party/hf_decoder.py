@@ -1,12 +1,13 @@
-"""Hugging Face causal LMs (Llama, Mistral, Qwen2/3, Gemma 2/3) ↔ editmerge's decoder
+"""Hugging Face causal LMs (Llama, Mistral, Mixtral, Qwen2/3, Gemma 2/3) ↔ editmerge's decoder
 (`editing/models/decoder.py`).
 
-Source: transformers, models/{llama,mistral,qwen2,qwen3,gemma2,gemma3}/modeling_*.py
+Source: transformers, models/{llama,mistral,mixtral,qwen2,qwen3,gemma2,gemma3}/modeling_*.py
 (*ForCausalLM). Their names, under `model.layers.{i}.`: self_attn.{q,k,v,o}_proj (weight, and
 bias where the family has one), self_attn.{q,k}_norm, input_layernorm, post_attention_layernorm
 (the norm before the MLP, except in Gemma, where it follows attention and
 pre_feedforward_layernorm precedes the MLP), post_feedforward_layernorm (Gemma),
-mlp.{gate,up,down}_proj; model.embed_tokens, model.norm and, untied, lm_head.
+mlp.{gate,up,down}_proj (Mixtral: block_sparse_moe.gate and block_sparse_moe.experts.{e}.
+{w1 = gate, w3 = up, w2 = down}); model.embed_tokens, model.norm and, untied, lm_head.
 
   to_params(tensors, config)    {HF name: array} -> our params (every name checked at once)
   from_params(params, config)   our params -> {HF name: array}
@@ -65,10 +66,19 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
   else:
     table.append(('blocks_{i}/pre_mlp_norm/scale', layer + 'post_attention_layernorm.weight',
                   'copy'))
-  for name in ('gate', 'up', 'down'):
-    table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight', 'linear'))
-    if config.mlp_bias:
-      table.append((f'blocks_{{i}}/mlp/{name}/bias', f'{layer}mlp.{name}_proj.bias', 'copy'))
+  if config.num_experts:
+    # The names transformers 5 saves and older ones wrote (its loader fuses the experts).
+    moe = layer + 'block_sparse_moe.'
+    table.append(('blocks_{i}/mlp/router/kernel', moe + 'gate.weight', 'linear'))
+    table += [(f'blocks_{{i}}/mlp/experts_{e}/{ours}/kernel', f'{moe}experts.{e}.{theirs}.weight',
+               'linear') for e in range(config.num_experts)
+              for ours, theirs in (('gate', 'w1'), ('up', 'w3'), ('down', 'w2'))]
+  else:
+    for name in ('gate', 'up', 'down'):
+      table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight',
+                    'linear'))
+      if config.mlp_bias:
+        table.append((f'blocks_{{i}}/mlp/{name}/bias', f'{layer}mlp.{name}_proj.bias', 'copy'))
   if not config.tie_embeddings:
     table.append(('lm_head/kernel', _TIED_HEAD, 'linear'))
   return keymap.expand(table, config.num_layers)

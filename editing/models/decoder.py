@@ -1,4 +1,4 @@
-"""One decoder-only language model for Llama, Mistral, Qwen2/3 and Gemma 2/3.
+"""One decoder-only language model for Llama, Mistral, Mixtral, Qwen2/3 and Gemma 2/3.
 
 API:
   config = DecoderConfig.from_hf(config_json)   # config.json's dict (editing.models.
@@ -24,9 +24,10 @@ position p when j holds a real token (`mask`), its position is ≤ p and, on a s
 Parameters are a plain nested dict: ``embed/embedding``, ``blocks_{i}/attn/{query,key,value,
 out}/kernel`` (+ ``bias``), ``blocks_{i}/attn/{query,key}_norm/scale``, ``blocks_{i}/
 {input_norm,post_attn_norm,pre_mlp_norm,post_mlp_norm}/scale``, ``blocks_{i}/mlp/{gate,up,
-down}/kernel``, ``final_norm/scale``, ``lm_head/kernel`` (untied only). The attention leaves
-are named as the encoders' are, so every regime and merge applies unchanged; their logical
-axes are in editing/sharding.py. The final normalised states are sown as
+down}/kernel`` (Mixtral: ``blocks_{i}/mlp/router/kernel`` and ``blocks_{i}/mlp/experts_{e}/
+{gate,up,down}/kernel``), ``final_norm/scale``, ``lm_head/kernel`` (untied only). The
+attention leaves are named as the encoders' are, so every regime and merge applies unchanged;
+their logical axes are in editing/sharding.py. The final normalised states are sown as
 ``intermediates/hidden``.
 """
 
@@ -173,8 +174,31 @@ class Mlp(nn.Module):
     return dense(c.hidden_size, 'down')(gate * dense(c.intermediate_size, 'up')(x))
 
 
+class Experts(nn.Module):
+  """Mixtral's mixture of gated MLPs: p = softmax(x Wr), the top k experts by p weighted by p
+  renormalised over them, Σ_{e ∈ top k} p_e / Σ_{top k} p · mlp_e(x).
+
+  Every expert runs on every token and the unchosen ones are weighted by 0: the same function
+  as routing tokens to their experts, and one dense program whatever the routing."""
+
+  config: DecoderConfig
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    logits = nn.Dense(c.num_experts, use_bias=False, dtype=self.dtype, name='router')(x)
+    top, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32)), c.experts_per_token)
+    weights = jnp.sum(jax.nn.one_hot(chosen, c.num_experts) *
+                      (top / top.sum(-1, keepdims=True))[..., None], axis=-2)
+    return sum(weights[..., e, None].astype(self.dtype) * Mlp(c, self.dtype,
+                                                              name=f'experts_{e}')(x)
+               for e in range(c.num_experts))
+
+
 class Block(_OfLayer):
-  """One layer: attention and gated MLP, each pre-normed (and post-normed in Gemma)."""
+  """One layer: attention and gated MLP (or mixture of them), each pre-normed (and
+  post-normed in Gemma)."""
 
   @nn.compact
   def __call__(self, x, positions, key_positions, cached=None):
@@ -183,7 +207,8 @@ class Block(_OfLayer):
     y, kv = Attention(c, self.layer, self.dtype, name='attn')(
         norm('input_norm')(x), positions, key_positions, cached)
     x = x + (norm('post_attn_norm')(y) if c.family.gemma else y)
-    y = Mlp(c, self.dtype, name='mlp')(norm('pre_mlp_norm')(x))
+    mlp = Experts if c.num_experts else Mlp
+    y = mlp(c, self.dtype, name='mlp')(norm('pre_mlp_norm')(x))
     return x + (norm('post_mlp_norm')(y) if c.family.gemma else y), kv
 
 

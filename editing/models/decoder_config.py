@@ -12,6 +12,9 @@ differ by switches, not by classes (`FAMILIES`):
                  global attention; Gemma 2 soft-caps attention and final logits, c·tanh(z/c)
   Qwen3, Gemma 3 RMSNorm over head_dim of each query and key head before RoPE
   Qwen2          biases on the query, key and value projections
+  Mixtral        Mistral's layers with a mixture of experts for the MLP: each token takes the
+                 top num_experts_per_tok of num_local_experts gated MLPs by a linear router's
+                 softmax, weighted by their renormalised probabilities
 
 RoPE (`Rope`) is the default one (θ^(-2i/d)), linear scaling (÷ factor), or Llama 3's
 banded rescaling; Gemma 3's local layers use their own θ (`local_rope`). `to_hf()` writes a
@@ -44,6 +47,8 @@ IGNORED = {
     'label2id': _NO_EFFECT, 'problem_type': _NO_EFFECT, 'chunk_size_feed_forward': _NO_EFFECT,
     'is_encoder_decoder': _NO_EFFECT, 'tokenizer_class': _NO_EFFECT,
     'is_llama_config': 'a marker that nanotron writes (SmolLM2), no part of the function',
+    'router_aux_loss_coef': "weighs the router's load-balancing loss in training",
+    'output_router_logits': _NO_EFFECT, 'router_jitter_noise': 'scales inputs in training only',
 }
 # MLP activations by their Hugging Face names: SwiGLU (silu) or GeGLU (the gelus).
 ACTIVATIONS = ('silu', 'swish', 'gelu', 'gelu_pytorch_tanh', 'gelu_new')
@@ -72,12 +77,15 @@ class Family:
   gemma: bool = False  # (1 + w) norms, √d embedding scale, post-norms
   qk_norm: bool = False
   qkv_bias: bool | None = None  # fixed by the family; None: from attention_bias
+  moe: bool = False  # the MLP is a mixture of experts
 
 
-def _family(architecture, fields, gemma=False, qk_norm=False, qkv_bias=None, **defaults):
+def _family(architecture, fields, gemma=False, qk_norm=False, qkv_bias=None, moe=False,
+            **defaults):
   base = {'rope_theta': 10000.0, 'rms_norm_eps': 1e-6, 'hidden_act': 'silu',
           'tie_word_embeddings': gemma, 'attention_bias': False}
-  return Family(architecture, frozenset(fields), {**base, **defaults}, gemma, qk_norm, qkv_bias)
+  return Family(architecture, frozenset(fields), {**base, **defaults}, gemma, qk_norm, qkv_bias,
+                moe)
 
 
 FAMILIES = {
@@ -85,6 +93,10 @@ FAMILIES = {
                      max_position_embeddings=2048),
     'mistral': _family('MistralForCausalLM', {'hidden_act', 'sliding_window'}, qkv_bias=False,
                        max_position_embeddings=131072, sliding_window=4096),
+    'mixtral': _family('MixtralForCausalLM', {'hidden_act', 'sliding_window', 'num_local_experts',
+                                              'num_experts_per_tok'}, qkv_bias=False, moe=True,
+                       max_position_embeddings=131072, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                       sliding_window=None, num_local_experts=8, num_experts_per_tok=2),
     'qwen2': _family('Qwen2ForCausalLM', {'hidden_act'} | _QWEN_WINDOWS, qkv_bias=True,
                      max_position_embeddings=32768, max_window_layers=28),
     'qwen3': _family('Qwen3ForCausalLM', {'hidden_act', 'attention_bias'} | _QWEN_WINDOWS,
@@ -216,6 +228,8 @@ class DecoderConfig:
   query_pre_attn_scalar: float | None = None  # scores scale by its ^-½; None: head_dim
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
+  num_experts: int = 0  # 0: one dense MLP per layer
+  experts_per_token: int = 0
 
   @property
   def family(self) -> Family:
@@ -288,7 +302,9 @@ class DecoderConfig:
                 'max_window_layers': _first_sliding(self.layer_types),
                 'query_pre_attn_scalar': self.query_pre_attn_scalar,
                 'attn_logit_softcapping': self.attn_logit_softcapping,
-                'final_logit_softcapping': self.final_logit_softcapping}
+                'final_logit_softcapping': self.final_logit_softcapping,
+                'num_local_experts': self.num_experts,
+                'num_experts_per_tok': self.experts_per_token}
     out.update({k: v for k, v in optional.items() if k in fields})
     return out
 
@@ -315,7 +331,7 @@ def _layer_types(cfg: Mapping, family_name: str, layers: int, window) -> tuple[s
                       f'{list(LAYER_TYPES)}')
   elif window is None:
     types = ('full_attention',) * layers
-  elif family_name == 'mistral':
+  elif family_name in ('mistral', 'mixtral'):
     types = ('sliding_attention',) * layers
   elif family_name in ('qwen2', 'qwen3'):
     types = tuple('sliding_attention' if i >= cfg['max_window_layers'] else 'full_attention'
@@ -363,6 +379,11 @@ def _build(cfg: dict, given: Mapping, family: Family) -> DecoderConfig:
   if window is not None:
     window = _positive_int(cfg, 'sliding_window')
   rope, local_rope = _ropes(given, family, name == 'gemma3_text')
+  experts = dict(num_experts=_positive_int(cfg, 'num_local_experts'),
+                 experts_per_token=_positive_int(cfg, 'num_experts_per_tok')) if family.moe else {}
+  if experts and experts['experts_per_token'] > experts['num_experts']:
+    raise UserError(f'config.json: num_experts_per_tok = {experts["experts_per_token"]} exceeds '
+                    f'num_local_experts = {experts["num_experts"]}')
   return DecoderConfig(
       model_type=name, vocab_size=sizes['vocab_size'], hidden_size=sizes['hidden_size'],
       intermediate_size=sizes['intermediate_size'], num_layers=sizes['num_hidden_layers'],
@@ -375,4 +396,4 @@ def _build(cfg: dict, given: Mapping, family: Family) -> DecoderConfig:
       sliding_window=window, rope=rope, local_rope=local_rope,
       query_pre_attn_scalar=cfg.get('query_pre_attn_scalar'),
       attn_logit_softcapping=cfg.get('attn_logit_softcapping'),
-      final_logit_softcapping=cfg.get('final_logit_softcapping'))
+      final_logit_softcapping=cfg.get('final_logit_softcapping'), **experts)
