@@ -21,7 +21,10 @@ base with it merged in); the LoRA-space methods (knots_ties, knots_dare, peft_ca
 
 `mergekit` reads a mergekit YAML config (merging/mergekit/reader.py) in place of the flags it
 sets; both become one `merging.recipe.Recipe`. The output's README.md records the merge (and
-the recipe).
+the recipe). `mergekit_moe` reads a mergekit-moe YAML config (merging/mergekit/moe.py) and
+upscales its dense Llama or Mistral models into a Mixtral (merging/checkpoints/upscaling.py):
+
+  python -m launch.merge_checkpoints --config.mergekit_moe=moe.yaml --config.output=/models/moe
 """
 
 import ml_collections
@@ -47,6 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
+  config.mergekit_moe = ''  # a mergekit-moe YAML config: dense models upscaled to a Mixtral
   # Structured values are written in mergekit's notation, YAML's flow style
   # (merging/recipe.py). Values that vary by tensor, {field: value}: a field is a setting of
   # the method, 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value}

@@ -27,8 +27,9 @@ out}/kernel`` (+ ``bias``), ``blocks_{i}/attn/{query,key}_norm/scale``, ``blocks
 down}/kernel`` (Mixtral: ``blocks_{i}/mlp/router/kernel`` and ``blocks_{i}/mlp/experts_{e}/
 {gate,up,down}/kernel``), ``final_norm/scale``, ``lm_head/kernel`` (untied only). The
 attention leaves are named as the encoders' are, so every regime and merge applies unchanged;
-their logical axes are in editing/sharding.py. The final normalised states are sown as
-``intermediates/hidden``.
+their logical axes are in editing/sharding.py. The residual stream entering each layer is
+sown as ``intermediates/layer_inputs`` (a tuple, layer 0 first) and the final normalised states
+as ``intermediates/hidden``.
 """
 
 from typing import Any, NamedTuple
@@ -247,6 +248,7 @@ class Decoder(nn.Module):
     block = nn.remat(Block) if self.remat else Block
     for i in range(c.num_layers):
       cached = None if cache is None else (cache.keys[i], cache.values[i], cache.length)
+      self.sow('intermediates', 'layer_inputs', x)
       x, (k, v) = block(c, i, self.dtype, name=f'blocks_{i}')(x, positions, key_positions,
                                                               cached)
       keys.append(k)

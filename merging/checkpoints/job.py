@@ -37,6 +37,8 @@ from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import sliced
 from merging.checkpoints import tensors as tensors_lib
+from merging.checkpoints import upscaling
+from merging.mergekit import moe
 
 RECORD = output_lib.RECORD
 
@@ -176,8 +178,16 @@ def plan_of(config) -> plan_lib.Plan:
 
 def run(config, workdir: str) -> dict:
   """The launch job: the merge `config`'s flags describe (or the mergekit YAML
-  `config.mergekit` names), as a `merging.recipe.Recipe`; the output defaults to
+  `config.mergekit` names), as a `merging.recipe.Recipe`, or the MoE upscaling of the
+  mergekit-moe YAML `config.mergekit_moe` (`upscaling`); the output defaults to
   <workdir>/merged."""
+  if config.mergekit_moe:
+    if config.mergekit:
+      raise UserError('config.mergekit and config.mergekit_moe are both set; give one recipe')
+    return upscaling.run(moe.read(config.mergekit_moe),
+                         config.output or os.path.join(workdir, 'merged'),
+                         overwrite=config.overwrite, seed=config.seed,
+                         shard_bytes=config.shard_bytes)
   if config.mergekit:
     recipe = recipe_lib.Recipe.from_mergekit(config.mergekit, config)
   else:

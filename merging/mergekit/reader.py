@@ -48,8 +48,7 @@ _MODEL_KEYS = ('model', 'parameters')
 
 def read(path: str) -> dict[str, Any]:
   """The recipe fields of the mergekit YAML at `path` (`merging.recipe.Recipe`'s names)."""
-  doc, text = _read(path)
-  _check_keys(doc, _TOP_KEYS, path, '')
+  doc, text = load_yaml(path, _TOP_KEYS)
   name = doc.get('merge_method')
   if name not in methods.METHODS and name != 'passthrough':
     raise UserError(f'{path}: merge_method {name!r} is not supported here; supported: '
@@ -69,7 +68,7 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
                     "model's tokenizer here ('base'); a union or another model's is not built")
   ours, method = methods.lookup(name)
   given = doc.get('parameters') or {}
-  _check_keys(given, methods.KNOWN, path, 'parameters.')
+  check_keys(given, methods.KNOWN, path, 'parameters.')
   base, models = _models(doc, ours, method, path)
   missing = [key for key in method.required if key not in given]
   if missing:
@@ -78,9 +77,9 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
   settings, varying, per_model_settings = _settings(given, per_model, ours, method, path)
   if method.base == 'optional':
     settings['task_space'] = bool(doc.get('base_model'))
-  _check_exists(base, path, 'base_model')
+  check_exists(base, path, 'base_model')
   for i, entry in models:
-    _check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
+    check_exists(entry.get('model'), path, f'models[{i}].model' if i >= 0 else 'base_model')
   weights = _weights(per_model.get('weight', []), path, varying)
   if weights is not None and settings.get('normalize') and ours == 'task_arithmetic' \
       and not any(f.startswith('weights.') for f in varying) and sum(weights) == 0:
@@ -106,7 +105,7 @@ def _per_model(given: dict, models: list, method: Translation, path: str,
   for i, entry in models:
     own = entry.get('parameters') or {}
     where = f'models[{i}].parameters.'
-    _check_keys(own, methods.KNOWN, path, where)
+    check_keys(own, methods.KNOWN, path, where)
     for key in own:
       if key not in method.model_parameters:
         _ignored(path, where + key, name)
@@ -166,26 +165,26 @@ def _passthrough(doc: dict, path: str) -> dict[str, Any]:
   """A passthrough recipe: its slices, one source each."""
   slices = []
   for i, piece in enumerate(doc.get('slices') or []):
-    _check_keys(piece, ('sources',), path, f'slices[{i}].')
+    check_keys(piece, ('sources',), path, f'slices[{i}].')
     sources = piece.get('sources') or []
     if len(sources) != 1:
       raise UserError(f'{path}: slices[{i}].sources: passthrough takes one source per slice, '
                       f'got {len(sources)}')
-    _check_keys(sources[0], ('model', 'layer_range'), path, f'slices[{i}].sources[0].')
+    check_keys(sources[0], ('model', 'layer_range'), path, f'slices[{i}].sources[0].')
     span = sources[0].get('layer_range')
     if not sliced.is_layer_range(span):
       raise UserError(f'{path}: slices[{i}].sources[0].layer_range = {span!r}: [first, end)')
-    _check_exists(sources[0].get('model'), path, f'slices[{i}].sources[0].model')
+    check_exists(sources[0].get('model'), path, f'slices[{i}].sources[0].model')
     slices.append({sources[0]['model']: list(span)})
   if not slices or doc.get('models'):
     raise UserError(f'{path}: passthrough is read here from slices alone')
   given = doc.get('parameters') or {}
-  _check_keys(given, ('scale',), path, 'parameters.')
+  check_keys(given, ('scale',), path, 'parameters.')
   tokenizer = doc.get('tokenizer_source')
   if tokenizer == 'base':
     tokenizer = doc.get('base_model')
   if tokenizer is not None:
-    _check_exists(tokenizer, path, 'tokenizer_source')
+    check_exists(tokenizer, path, 'tokenizer_source')
   scale = _value(given.get('scale', 1.0), path, 'parameters.scale')
   number = layered.is_scalar(scale)
   return dict(base='', models=(), method='passthrough', settings={}, per_model={},
@@ -226,16 +225,16 @@ def _sliced(doc: dict, path: str) -> tuple[dict, tuple[dict, ...]]:
     raise UserError(f'{path}: give the models in models or in slices, not both')
   slices, models = [], {}
   for k, piece in enumerate(doc.get('slices') or []):
-    _check_keys(piece, ('sources',), path, f'slices[{k}].')
+    check_keys(piece, ('sources',), path, f'slices[{k}].')
     ranges = {}
     sources = piece.get('sources') or []
     _check_distinct([s.get('model') if isinstance(s, dict) else None for s in sources], path,
                     f'slices[{k}].sources')
     for i, source in enumerate(sources):
       where = f'slices[{k}].sources[{i}].'
-      _check_keys(source, ('model', 'layer_range', 'parameters'), path, where)
+      check_keys(source, ('model', 'layer_range', 'parameters'), path, where)
       model, span = source.get('model'), source.get('layer_range')
-      _check_exists(model, path, where + 'model')
+      check_exists(model, path, where + 'model')
       if not sliced.is_layer_range(span):
         raise UserError(f'{path}: {where}layer_range = {span!r}: [first, end)')
       parameters = source.get('parameters') or {}
@@ -257,7 +256,9 @@ def _sliced(doc: dict, path: str) -> tuple[dict, tuple[dict, ...]]:
   return {**{k: v for k, v in doc.items() if k != 'slices'}, 'models': entries}, tuple(slices)
 
 
-def _read(path: str) -> tuple[dict, str]:
+def load_yaml(path: str, top_keys: tuple[str, ...]) -> tuple[dict, str]:
+  """(the mapping, its text) of the mergekit YAML at `path`, every top-level key one of
+  `top_keys`."""
   try:
     with open(path) as f:
       text = f.read()
@@ -268,7 +269,8 @@ def _read(path: str) -> tuple[dict, str]:
   except yaml.YAMLError as e:
     raise UserError(f'{path} is not valid YAML ({e})') from None
   if not isinstance(doc, dict):
-    raise UserError(f'{path}: a mergekit config is a mapping with {_TOP_KEYS}')
+    raise UserError(f'{path}: a mergekit config is a mapping with {top_keys}')
+  check_keys(doc, top_keys, path, '')
   return doc, text
 
 
@@ -279,7 +281,7 @@ def _models(doc: dict, ours: str, method: Translation,
   base = doc.get('base_model')
   entries = list(enumerate(doc.get('models') or []))
   for i, entry in entries:
-    _check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
+    check_keys(entry, _MODEL_KEYS, path, f'models[{i}].')
   _check_distinct([e.get('model') for _, e in entries], path, 'models')
   if method.base == 'required' and not base:
     raise UserError(f'{path}: base_model is required for {doc["merge_method"]} (it merges '
@@ -331,14 +333,14 @@ def _ignored(path: str, key: str, method: str) -> None:
                   key, method)
 
 
-def _check_exists(model, path: str, key: str) -> None:
+def check_exists(model, path: str, key: str) -> None:
   """A model named in the YAML is a local directory or file (hub names are not fetched)."""
   if not isinstance(model, str) or not os.path.exists(model):
     raise UserError(f'{path}: {key} = {model}: no such directory or file (models are read from '
                     'local paths, never downloaded)')
 
 
-def _check_keys(mapping, known, path: str, prefix: str) -> None:
+def check_keys(mapping, known, path: str, prefix: str) -> None:
   if not isinstance(mapping, dict):
     raise UserError(f'{path}: {prefix or "the config"} must be a mapping')
   unknown = [k for k in mapping if k not in known]
