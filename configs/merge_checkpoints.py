@@ -31,6 +31,7 @@ import ml_collections
 
 import merging
 from editing import settings
+from editing.jobs import evaluate_checkpoint
 from merging.checkpoints import extraction
 
 
@@ -51,6 +52,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
   config.mergekit_moe = ''  # a mergekit-moe YAML config: dense models upscaled to a Mixtral
+  # Scoring the output beside its inputs once it is written, where a file is given: the
+  # sections of configs/evaluate_checkpoint.py (perplexity, multiple_choice, exact_match, scoring).
+  config.evaluate = ml_collections.ConfigDict(
+      {name: settings.defaults(section) for name, section in evaluate_checkpoint.SECTIONS.items()})
   # Structured values are written in mergekit's notation, YAML's flow style
   # (merging/recipe.py). Values that vary by tensor, {field: value}: a field is a setting of
   # the method, 'scale' or 'weights.<i>'; a value a gradient over the layers or {filter, value}

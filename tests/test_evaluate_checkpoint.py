@@ -12,9 +12,11 @@ import torch
 import transformers
 
 from configs import evaluate_checkpoint as evaluate_checkpoint_config
+from configs import merge_checkpoints as merge_checkpoints_config
 from editing.errors import UserError
 from editing.jobs import evaluate_checkpoint
 from editing.models.tokenizer import Tokenizer
+from merging import checkpoints
 from tests import tiny_gguf
 
 SPECIAL = ('<unk>', '<s>', '</s>')
@@ -260,3 +262,33 @@ def test_gguf_checkpoint_beside_a_directory(models, tmp_path):
   assert got['tokens'] == len(picked)
   np.testing.assert_allclose(got['negative_log_likelihood'], -picked.sum(), atol=ATOL)
   assert list(results) == [models[0][0], str(tmp_path / 'm.gguf')]
+
+
+def test_a_merge_scores_its_output_beside_its_inputs_in_one_command(models, scored, tmp_path):
+  """launch.merge_checkpoints with config.evaluate: the inputs' rows are what the scoring job
+  gives them alone, and the merge's row is the merged weights' perplexity by transformers."""
+  results, _, _ = scored
+  (base, _), (tuned, _) = models
+  text = write_jsonl(tmp_path / 'text.jsonl', [{'text': d} for d in DOCUMENTS])
+  config = merge_checkpoints_config.get_config()
+  config.update(base=base, models=tuned, method='task_arithmetic', scale=0.5,
+                output=str(tmp_path / 'merged'))
+  config.evaluate.perplexity.update(file=text, window=32, stride=16)
+  summary = checkpoints.run(config, str(tmp_path / 'work'))
+  scores = summary['scores']
+  assert list(scores) == [base, tuned, str(tmp_path / 'merged')]
+  for path in (base, tuned):
+    assert scores[path]['perplexity'] == pytest.approx(results[path]['perplexity'], rel=1e-9)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / 'merged'),
+                                                             attn_implementation='eager')
+  nll = -sum(log_probs(merged, [BOS] + ids(d)).sum() for d in DOCUMENTS)
+  count = sum(len(d) for d in DOCUMENTS)
+  assert scores[str(tmp_path / 'merged')]['perplexity']['perplexity'] == pytest.approx(
+      np.exp(nll / count), rel=1e-4)
+  assert os.path.exists(tmp_path / 'work' / evaluate_checkpoint.RESULTS)
+
+  config.update(output=str(tmp_path / 'other'))
+  config.evaluate.perplexity.file = str(tmp_path / 'missing.jsonl')
+  with pytest.raises(UserError, match='missing.jsonl does not exist'):
+    checkpoints.run(config, str(tmp_path / 'work2'))
+  assert not os.path.exists(tmp_path / 'other')

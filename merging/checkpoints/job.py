@@ -20,12 +20,15 @@ import time
 from typing import Sequence
 
 import jax.numpy as jnp
+import ml_collections
 
 from absl import logging
 
 import merging
 from editing import safetensors_io
 from editing.errors import UserError
+from editing.jobs import checks
+from editing.jobs import evaluate_checkpoint
 from editing.models import hf
 from editing.models import peft_adapter
 from merging import recipe as recipe_lib
@@ -180,23 +183,47 @@ def run(config, workdir: str) -> dict:
   """The launch job: the merge `config`'s flags describe (or the mergekit YAML
   `config.mergekit` names), as a `merging.recipe.Recipe`, or the MoE upscaling of the
   mergekit-moe YAML `config.mergekit_moe` (`upscaling`); the output defaults to
-  <workdir>/merged."""
+  <workdir>/merged. Where config.evaluate names a file to score, the output and its inputs
+  are then scored side by side (`editing.jobs.evaluate_checkpoint`: <workdir>/
+  checkpoint_scores.json and .md), the files read and checked before the merge."""
+  evaluation = _evaluation(config)
   if config.mergekit_moe:
     if config.mergekit:
       raise UserError('config.mergekit and config.mergekit_moe are both set; give one recipe')
-    return upscaling.run(moe.read(config.mergekit_moe),
-                         config.output or os.path.join(workdir, 'merged'),
-                         overwrite=config.overwrite, seed=config.seed,
-                         shard_bytes=config.shard_bytes)
-  if config.mergekit:
-    recipe = recipe_lib.Recipe.from_mergekit(config.mergekit, config)
+    moe_recipe = moe.read(config.mergekit_moe)
+    inputs = [moe_recipe.base_model, *(e.source_model for e in moe_recipe.experts)]
+    summary = upscaling.run(moe_recipe, config.output or os.path.join(workdir, 'merged'),
+                            overwrite=config.overwrite, seed=config.seed,
+                            shard_bytes=config.shard_bytes)
   else:
-    recipe = recipe_lib.Recipe.from_flags(config)
-  output = recipe.output or os.path.join(workdir, 'merged')
-  if recipe.method == recipe_lib.PASSTHROUGH:
-    return _passthrough(recipe, output)
-  return merge(recipe.base, list(recipe.models), output, recipe.plan(),
-               overwrite=recipe.overwrite, recipe=recipe.mergekit_yaml, slices=recipe.slices)
+    if config.mergekit:
+      recipe = recipe_lib.Recipe.from_mergekit(config.mergekit, config)
+    else:
+      recipe = recipe_lib.Recipe.from_flags(config)
+    output = recipe.output or os.path.join(workdir, 'merged')
+    if recipe.method == recipe_lib.PASSTHROUGH:
+      inputs = [model for piece in recipe.slices for model in piece]
+      summary = _passthrough(recipe, output)
+    else:
+      inputs = [recipe.base, *recipe.models]
+      summary = merge(recipe.base, list(recipe.models), output, recipe.plan(),
+                      overwrite=recipe.overwrite, recipe=recipe.mergekit_yaml,
+                      slices=recipe.slices)
+  if evaluation is not None:
+    evaluation.checkpoints = ','.join(dict.fromkeys([*inputs, summary['output']]))
+    summary['scores'] = evaluate_checkpoint.run(evaluation, workdir)
+  return summary
+
+
+def _evaluation(config) -> ml_collections.ConfigDict | None:
+  """The scoring config.evaluate asks for, its files read and checked; None if it names none."""
+  sections = config.get('evaluate')
+  if sections is None or not any(sections[name].get('file') for name in sections):
+    return None
+  evaluation = ml_collections.ConfigDict({'checkpoints': '', **sections.to_dict()})
+  checks.validate(evaluation, evaluate_checkpoint.SECTIONS)
+  evaluate_checkpoint.read_inputs(evaluation)
+  return evaluation
 
 
 def _passthrough(recipe: 'recipe_lib.Recipe', output: str) -> dict:
