@@ -140,7 +140,7 @@ def test_multiple_choice_equals_transformers(models, scored):
            ('what ran', ['cat', 'dog', 'bird'], 1)]
   for directory, model in models:
     got = results[directory]['multiple_choice']
-    expected, acc, acc_norm = [], [], []
+    acc, acc_norm = [], []
     for (question, choices, gold), log_likelihoods in zip(texts, got['log_likelihoods']):
       context = [BOS] + ids(question)
       sums = np.array([log_probs(model, context + ids(' ' + c))[len(context) - 1:].sum()

@@ -5,7 +5,6 @@ negation move exact match the way the papers report, by margins measured on suit
 import filecmp
 import hashlib
 import json
-import os
 
 import numpy as np
 import pytest

@@ -145,12 +145,7 @@ def _write_shards(partial: output_lib.Partial, names: dict, shards, scale: Any) 
       x = x.astype(np.float32) * np.float32(factor)
     return x.astype(dtype, copy=False)
 
-  for shard in shards:
-    if not partial.has(shard.file):
-      pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries, prepare,
-                              block, 2)
-      partial.shard_done()
-  safetensors_io.write_index(partial.path, shards)
+  pipeline.write_shards(partial, shards, prepare, block, 2)
 
 
 def _card(recipe: str | None) -> str | None:

@@ -5,6 +5,7 @@ import collections
 import concurrent.futures
 import contextlib
 import math
+import os
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,6 +28,17 @@ def blocks(size: int) -> list[tuple[int, int]]:
   (N + 1) inputs of a block stay in the processor's cache while they are read, merged and
   written."""
   return [(b, min(size, b + BLOCK)) for b in range(0, size, BLOCK)]
+
+
+def write_shards(partial, shards: Sequence[safetensors_io.Shard], prepare: Callable[[str], Any],
+                 block: Callable[[Any, int, int], np.ndarray], depth: int) -> None:
+  """Each shard not yet in `partial` (an `output.Partial`) written by `write_streamed` and
+  recorded done, then the index of them all."""
+  for shard in shards:
+    if not partial.has(shard.file):
+      write_streamed(os.path.join(partial.path, shard.file), shard.entries, prepare, block, depth)
+      partial.shard_done()
+  safetensors_io.write_index(partial.path, shards)
 
 
 def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],

@@ -32,7 +32,6 @@ read.
 import os
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 from absl import logging
 
@@ -90,12 +89,7 @@ def run(recipe: moe_lib.MoeRecipe, output: str, *, overwrite: bool = False, seed
       tensor, out_dtype = state
       return np.asarray(tensor[start:stop]).astype(out_dtype, copy=False)
 
-    for shard in shards:
-      if not partial.has(shard.file):
-        pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries, prepare,
-                                block, 2)
-        partial.shard_done()
-    safetensors_io.write_index(partial.path, shards)
+    pipeline.write_shards(partial, shards, prepare, block, 2)
 
   output_lib.write(target, fill, overwrite=overwrite)
   logging.info('upscaled %d experts over %d layers into %s', len(sources), dense.num_layers,
