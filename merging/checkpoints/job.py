@@ -41,6 +41,7 @@ from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import sliced
 from merging.checkpoints import tensors as tensors_lib
 from merging.checkpoints import upscaling
+from merging.checkpoints import vocabulary
 from merging.mergekit import moe
 
 RECORD = output_lib.RECORD
@@ -82,6 +83,7 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     positions = sliced.positions(slices, list(base_ckpt.files))
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
+  vocabulary.check_same(base, dense)
   shards = _shards(base_ckpt, names, plan)
   record = {'plan': plan.record(),
             'inputs': [output_lib.fingerprint(c) for c in [base_ckpt, *ckpts]],
