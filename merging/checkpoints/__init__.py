@@ -33,6 +33,8 @@ The package, by concern:
   sliced.py    layer ranges of the models merged into the output's layers
   passthrough.py  layer ranges stacked as they are (mergekit's passthrough)
   extraction.py, adapters.py  τ_1 as a PEFT LoRA adapter; a base with an adapter applied
+  upscaling.py  dense Llama or Mistral checkpoints into a Mixtral (mergekit-moe's recipes)
+  vocabulary.py  the inputs' tokenizers give every id one token, or the merge is refused
   output.py    the one output lifecycle of every writer: the overlap check on real paths, the
                lock, `<output>.partial` with its record, resume, copied files, the card, the
                atomic replace
