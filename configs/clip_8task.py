@@ -87,8 +87,9 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
               'dam_safe,dam_oracle'))
   config.badnets.size = 4 * image_size // 32
   # launch.export: the merge of `method` in `regime` to a Hugging Face directory.
+  # `task`: '' for the merge; a task's name for its fine-tune θ0 + τ; 'pretrained' for θ0.
   config.export = ml_collections.ConfigDict(dict(regime='full', method='task_arithmetic',
-                                                 output='', shard_bytes=2 * 1024**3))
+                                                 task='', output='', shard_bytes=2 * 1024**3))
 
   if tiny:
     config.data.tasks = ''

@@ -8,11 +8,13 @@ import json
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from configs import merge as merge_config
 from configs import text_quickstart
 from editing import checkpoint
 from editing import generate
+from editing import tree as tree_lib
 from editing.data import text_suite
 from editing.errors import UserError
 from editing.jobs import experiment
@@ -23,6 +25,7 @@ from editing.jobs import workdir as workdir_lib
 from editing.models.decoder_config import DecoderConfig
 from merging.jobs import export
 from merging.jobs import merge
+from third_party import hf_decoder
 
 # Margins half of the smaller gain that suite seeds 0 and 1 showed (docs/text_suite.md): mean
 # exact match rose 27.1 and 26.6 points by fine-tuning and 4.7 and 3.1 by addition (at α 0.25);
@@ -123,3 +126,22 @@ def test_a_merge_exports_to_a_causal_lm_and_tokenizer_that_transformers_loads(te
   ours = np.asarray(apply_fn(merged, inputs))[0]
   np.testing.assert_allclose(theirs, ours, atol=2e-4, rtol=2e-4)
 
+
+
+def test_a_fine_tune_and_theta0_export_as_causal_lms(text_run, tmp_path):
+  """config.export.task: θ0 + τ of one task, or θ0, as the safetensors files hold them."""
+  config, workdir, _ = text_run
+  theta0 = safetensors.numpy.load_file(workdir_lib.pretrained_file(workdir))
+  tau = safetensors.numpy.load_file(workdir_lib.task_vector_file(workdir, 'full', 'sort'))
+  for task, expected in (('sort', {k: theta0[k] + tau[k] for k in theta0}),
+                         (export.PRETRAINED, theta0)):
+    config.export.update(task=task, output=str(tmp_path / task))
+    export.run(config, workdir)
+    _, params = hf_decoder.load(config.export.output)
+    for path, value in tree_lib.flatten(params).items():
+      np.testing.assert_allclose(value, expected[path], rtol=1e-6, atol=1e-7, err_msg=path)
+  config.export.update(task='add', output=str(tmp_path / 'add'))
+  with pytest.raises(UserError, match=r"config.export.task = 'add' is not a task of this "
+                                      r"experiment; choose one of reverse,sort,cipher"):
+    export.run(config, workdir)
+  assert not (tmp_path / 'add').exists()

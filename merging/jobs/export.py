@@ -1,10 +1,12 @@
 """A merged model out to Hugging Face: the params `launch.merge` chose for one method and regime,
 written as a directory that transformers loads: a CLIPVisionModelWithProjection, or for a
 decoder's experiment (the text suite) a causal LM with its tokenizer, which
-`launch.evaluate_checkpoint` scores.
+`launch.evaluate_checkpoint` and `launch.merge_checkpoints` read. With `config.export.task`,
+the model exported is instead one task's fine-tune, θ0 + τ_task of the regime, or θ0 itself
+('pretrained').
 
-Reads <workdir>/merge/<regime>/<method>/params (orbax) and the workdir's θ0 record for the
-architecture; writes `config.export.output` through `editing.models.hf.export` (config.json,
+Reads <workdir>/merge/<regime>/<method>/params (orbax), or the task vector, and the workdir's
+θ0 record for the architecture; writes `config.export.output` through `editing.models.hf.export` (config.json,
 safetensors shards with their index above `shard_bytes`, renamed into place when complete).
 """
 
@@ -26,22 +28,35 @@ from editing.models import hf
 from editing.models.decoder_config import DecoderConfig
 from third_party import hf_decoder
 
+PRETRAINED = 'pretrained'  # config.export.task's name for θ0 itself
+
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Exports the merge of `config.export.method` in `config.export.regime`; returns the
-  output directory."""
+  """Exports the merge of `config.export.method` in `config.export.regime` (or the model
+  `config.export.task` names); returns the output directory."""
   checks.validate(config)
   settings = config.export
   if not settings.output:
     raise UserError('config.export.output is empty: name the directory to write')
-  _source(config, workdir)
+  task = settings.get('task', '')
+  if task and task != PRETRAINED and task not in experiment.tasks(config):
+    raise UserError(f'config.export.task = {task!r} is not a task of this experiment; choose '
+                    f'one of {",".join(experiment.tasks(config))}, or {PRETRAINED!r} for θ0')
+  if not task:
+    _source(config, workdir)
   theta0, _ = experiment.load_pretrained(workdir, config.model)
   model = checkpoint.load_tree(workdir_lib.pretrained_file(workdir))[1]['model']
   decoder = experiment.is_decoder(config)
   if not decoder and (model.get('family') != 'vit' or 'image_size' not in model):
     raise UserError(f'the workdir\'s θ0 ({workdir_lib.pretrained_file(workdir)}) was not '
                     'imported from CLIP weights; only imported models are exported')
-  params = merged_params(config, workdir, theta0)
+  if task == PRETRAINED:
+    params = distributed.to_host(theta0)
+  elif task:
+    vector = experiment.Experiment.load(config, workdir).vectors(settings.regime)[task]
+    params = distributed.to_host(vector.apply_to(theta0))
+  else:
+    params = merged_params(config, workdir, theta0)
   if distributed.is_primary() and decoder:
     hf_decoder.export(params, DecoderConfig.from_hf(experiment.weights_of(model)),
                       settings.output, shard_bytes=settings.shard_bytes,
@@ -49,8 +64,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
   elif distributed.is_primary():
     hf.export(settings.output, params, model, 'clip_vision', shard_bytes=settings.shard_bytes)
   distributed.sync(f'exported {settings.output}')
-  logging.info('exported the %s merge (%s) to %s', settings.method, settings.regime,
-               settings.output)
+  logging.info('exported %s (%s) to %s', f'the {task} model' if task else
+               f'the {settings.method} merge', settings.regime, settings.output)
   return settings.output
 
 
