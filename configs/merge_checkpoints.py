@@ -71,9 +71,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Settings given one value per model, {setting: [values]} in the order of config.models
   # (mergekit's per-model density), for the methods that take them: '{density: [0.2, 0.4]}'.
   config.per_model = ''
-  # The checkpoint whose tokenizer files the output takes; '': the base's (passthrough: the
-  # first slice's model's).
+  # A merge's vocabulary, every model's embedding rows aligned to it (mergekit's
+  # tokenizer_source): 'base', 'union' or a checkpoint's path; '': the base's, every model's
+  # being the same. A passthrough's: the checkpoint whose tokenizer files the output takes.
   config.tokenizer = ''
+  config.pad_to_multiple_of = 0  # the aligned matrices' rows rounded up to a multiple of it
   # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
   # each tensor on its own here, as mergekit does.
   for method, entry in merging.REGISTRY.items():

@@ -25,8 +25,11 @@ Fields:
   scale: λ (passthrough: each tensor's factor).
   seed: the key of random methods' draws, per tensor name (mergekit's --random-seed).
   dtype: of the output's floating tensors, or None for the base's.
-  tokenizer: the checkpoint whose tokenizer files the output takes, or None (the base's; for
-    passthrough, the first slice's model's).
+  tokenizer: for a merge, the vocabulary the output takes and every model's embedding rows are
+    aligned to ('base', 'union' or a checkpoint: `merging.checkpoints.vocabulary`), or None
+    (the base's, every model's being the same); for a passthrough, the checkpoint whose
+    tokenizer files the output takes (None: the first slice's model's).
+  pad_to_multiple_of: the aligned matrices' rows padded to a multiple of it (0: none).
   output, overwrite, shard_bytes, prefetch, allow_nonfinite: how the output is written.
   mergekit_yaml: the recipe's YAML text, recorded in the output's card (not compared).
 """
@@ -59,6 +62,7 @@ class Recipe:
   seed: int = 0
   dtype: str | None = None
   tokenizer: str | None = None
+  pad_to_multiple_of: int = 0
   output: str = ''
   overwrite: bool = False
   shard_bytes: int = 2 * 1024**3
@@ -73,9 +77,17 @@ class Recipe:
       object.__setattr__(self, 'weights', tuple(self.weights))
     if self.slices is not None:
       object.__setattr__(self, 'slices', tuple(self.slices))
+    if isinstance(self.pad_to_multiple_of, bool) or not isinstance(
+        self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 0:
+      raise UserError(f'config.pad_to_multiple_of = {self.pad_to_multiple_of!r} must be an '
+                      'integer ≥ 0')
     if self.method == PASSTHROUGH:
       if not self.slices:
         raise UserError('config.slices: passthrough stacks slices; give at least one')
+      if self.tokenizer in ('base', 'union') or self.pad_to_multiple_of:
+        raise UserError(f'config.tokenizer = {self.tokenizer}: a passthrough takes one model\'s '
+                        'tokenizer files, named by its path; a union or alignment is built for '
+                        'merges only')
       return
     if not self.base:
       raise UserError('config.base: give the base checkpoint (a Hugging Face directory or a '
@@ -94,7 +106,7 @@ class Recipe:
         per_model=_per_model(config.per_model), layered=_mapping(config.layered, 'layered'),
         slices=_slices(config.slices), weights=_weights(config), scale=config.scale,
         dtype=config.dtype or None, tokenizer=config.tokenizer or None,
-        **options(config))
+        pad_to_multiple_of=config.pad_to_multiple_of, **options(config))
 
   @classmethod
   def from_mergekit(cls, path: str, config=None) -> 'Recipe':

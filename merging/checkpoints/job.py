@@ -49,10 +49,12 @@ RECORD = output_lib.RECORD
 
 def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
           overwrite: bool = False, recipe: str | None = None,
-          slices: sliced.Slices | None = None) -> dict:
+          slices: sliced.Slices | None = None, tokenizer: str | None = None,
+          pad_to_multiple_of: int = 0) -> dict:
   """Merges `models` onto `base` into the Hugging Face directory `output`, whose README.md
   records the merge (and the mergekit `recipe`, its YAML text, if one set it); returns a
-  summary. `slices` merge layer ranges of the models into the output's layers (`sliced`)."""
+  summary. `slices` merge layer ranges of the models into the output's layers (`sliced`);
+  `tokenizer` names the vocabulary the embedding rows are aligned to (`vocabulary`)."""
   if not models:
     raise UserError('config.models: no fine-tuned model to merge')
   count = 1 if plan.method in plan_lib.SINGLE_MODEL else merging.get(plan.method).vectors
@@ -81,15 +83,32 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     viewed = sliced.views(slices, {base: base_ckpt, **dict(zip(models, ckpts))})
     base_ckpt, ckpts = viewed[base], [viewed[m] for m in models]
     positions = sliced.positions(slices, list(base_ckpt.files))
+  aligned = None
+  if tokenizer is not None or pad_to_multiple_of:
+    if len(dense) < len(models) or slices is not None:
+      raise UserError(f'config.tokenizer = {tokenizer}: the rows are aligned for merges of '
+                      'whole checkpoints, not of adapters or slices')
+    if vocabulary.EMBEDDINGS[0] not in base_ckpt.files:
+      raise UserError(f'config.tokenizer = {tokenizer}: {base} has no '
+                      f'{vocabulary.EMBEDDINGS[0]} to align')
+    rows = [c.header(vocabulary.EMBEDDINGS[0])[0][0] for c in [base_ckpt, *ckpts]]
+    aligned = vocabulary.Aligned(
+        vocabulary.build(tokenizer or 'base', base, models, rows, pad_to_multiple_of),
+        [base_ckpt, *ckpts])
+    base_ckpt, *ckpts = [vocabulary.View(c, aligned, i) for i, c in enumerate([base_ckpt, *ckpts])]
+  else:
+    vocabulary.check_same(base, dense)
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
-  vocabulary.check_same(base, dense)
   shards = _shards(base_ckpt, names, plan)
   record = {'plan': plan.record(),
             'inputs': [output_lib.fingerprint(c) for c in [base_ckpt, *ckpts]],
             'shards': [{'file': s.file, 'names': s.names} for s in shards]}
   if slices is not None:
     record['slices'] = [dict(piece) for piece in slices]
+  if aligned is not None:
+    record['vocabulary'] = {'tokenizer': tokenizer, 'pad_to_multiple_of': pad_to_multiple_of,
+                            'rows': aligned.vocabulary.rows}
   summary = {'output': output, 'tensors': len(names), 'shards': len(shards),
              'bytes': sum(s.bytes for s in shards)}
   adapter = plan.method == 'extract_lora' or low_rank  # an adapter: no index, no model config
@@ -106,7 +125,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
   target = output_lib.Target(
       output, [base, *models], record, readers=() if adapter else [base_ckpt, *ckpts],
       card=_card(base, models, plan, recipe), copied_from=None if adapter else base,
-      config=base_ckpt.config if slices else None)
+      config=base_ckpt.config if slices or aligned else None,
+      files=aligned.vocabulary.files() if aligned else None)
   start = time.time()
   if not output_lib.write(target, fill, overwrite=overwrite):
     return {**summary, 'seconds': 0.0}
@@ -210,7 +230,8 @@ def run(config, workdir: str) -> dict:
       inputs = [recipe.base, *recipe.models]
       summary = merge(recipe.base, list(recipe.models), output, recipe.plan(),
                       overwrite=recipe.overwrite, recipe=recipe.mergekit_yaml,
-                      slices=recipe.slices)
+                      slices=recipe.slices, tokenizer=recipe.tokenizer,
+                      pad_to_multiple_of=recipe.pad_to_multiple_of)
   if evaluation is not None:
     evaluation.checkpoints = ','.join(dict.fromkeys([*inputs, summary['output']]))
     summary['scores'] = evaluate_checkpoint.run(evaluation, workdir)

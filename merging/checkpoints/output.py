@@ -25,7 +25,7 @@ import errno
 import json
 import os
 import shutil
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from absl import logging
 
@@ -56,6 +56,7 @@ class Target:
   copied_from: str | None = None  # a directory whose `copied` files, those it has, are copied
   copied: Sequence[str] = COPIED
   config: dict | None = None  # config.json, written over a copied one
+  files: Mapping[str, dict] | None = None  # {name: JSON content}, written over copied ones
 
 
 class Partial:
@@ -201,6 +202,8 @@ def _finish(target: Target, record: dict, partial: str, output: str) -> None:
         shutil.copy(os.path.join(source, name), os.path.join(partial, name))
   if target.config:
     atomic.write_json(os.path.join(partial, 'config.json'), target.config)
+  for name, content in (target.files or {}).items():
+    atomic.write_json(os.path.join(partial, name), content)
   if target.card is not None:
     atomic.write_bytes(os.path.join(partial, CARD), target.card.encode())
   atomic.write_json(os.path.join(partial, RECORD), record)

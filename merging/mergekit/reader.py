@@ -19,9 +19,11 @@ Every parameter may vary by tensor as mergekit's do (`merging.checkpoints.layere
 gradient over the layers, `t: [0, 0.5, 1]`, or {filter, value} entries per module; they
 become the recipe's layered values. Models may give a parameter different values (per-model)
 where the method takes it per vector (TIES' and DELLA's density, DARE's); a model that gives
-none takes mergekit's default. `passthrough` stacks the layer ranges of its `slices`, one
-source each; `tokenizer_source: base` keeps the base's tokenizer, as the merges do anyway. A
-parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
+none takes mergekit's default. `tokenizer_source` (base, union or a model) and the `tokenizer:`
+block's `source` (default union) and `pad_to_multiple_of` align every model's embedding rows
+to one vocabulary (`merging.checkpoints.vocabulary`); its per-token `tokens:` are refused.
+`passthrough` stacks the layer ranges of its `slices`, one source each, with the tokenizer of
+the base or a model. A parameter that mergekit knows but ignores for the method (`density` on task_arithmetic) is
 accepted with a warning; any other key is named in the error, never ignored. `slices` with
 another method merge layer ranges of the models into the output's layers: every slice lists
 the same models, the base among them. A model listed twice (by the same real path) is refused,
@@ -42,7 +44,8 @@ from merging.mergekit import methods
 from merging.translation import Translation
 
 _TOP_KEYS = ('models', 'slices', 'merge_method', 'base_model', 'parameters', 'dtype',
-             'tokenizer_source')
+             'tokenizer_source', 'tokenizer')
+_TOKENIZER_KEYS = ('source', 'pad_to_multiple_of')
 _MODEL_KEYS = ('model', 'parameters')
 
 
@@ -62,10 +65,7 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
   name, slices = doc['merge_method'], None
   if 'slices' in doc:
     doc, slices = _sliced(doc, path)
-  tokenizer = doc.get('tokenizer_source')
-  if tokenizer not in (None, 'base') and tokenizer != doc.get('base_model'):
-    raise UserError(f'{path}: tokenizer_source = {tokenizer!r}: the output takes the base '
-                    "model's tokenizer here ('base'); a union or another model's is not built")
+  tokenizer, pad = _vocabulary(doc, path)
   ours, method = methods.lookup(name)
   given = doc.get('parameters') or {}
   check_keys(given, methods.KNOWN, path, 'parameters.')
@@ -94,7 +94,29 @@ def _merge(doc: dict, path: str) -> dict[str, Any]:
       varying['scale'] = value
   return dict(base=str(base), models=tuple(str(entry['model']) for _, entry in models),
               method=ours, settings=settings, per_model=per_model_settings,
-              layered=varying, slices=slices, weights=weights, scale=scale, tokenizer=None)
+              layered=varying, slices=slices, weights=weights, scale=scale, tokenizer=tokenizer,
+              pad_to_multiple_of=pad)
+
+
+def _vocabulary(doc: dict, path: str) -> tuple[str | None, int]:
+  """(the tokenizer source, pad_to_multiple_of) of `tokenizer_source` or the `tokenizer:`
+  block (whose source defaults to union, as mergekit's does); (None, 0) for neither."""
+  block = doc.get('tokenizer')
+  if block is not None and doc.get('tokenizer_source') is not None:
+    raise UserError(f'{path}: give tokenizer_source or tokenizer, not both (mergekit refuses '
+                    'both)')
+  if block is None:
+    source, pad = doc.get('tokenizer_source'), 0
+  else:
+    check_keys(block, _TOKENIZER_KEYS, path, 'tokenizer.')
+    source, pad = block.get('source', 'union'), block.get('pad_to_multiple_of') or 0
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+      raise UserError(f'{path}: tokenizer.pad_to_multiple_of = {pad!r} must be a positive '
+                      'integer')
+  if source is not None and source not in ('base', 'union'):
+    check_exists(source, path, 'tokenizer_source')
+    source = str(source)
+  return source, pad
 
 
 def _per_model(given: dict, models: list, method: Translation, path: str,
@@ -183,6 +205,9 @@ def _passthrough(doc: dict, path: str) -> dict[str, Any]:
   tokenizer = doc.get('tokenizer_source')
   if tokenizer == 'base':
     tokenizer = doc.get('base_model')
+  if tokenizer == 'union' or doc.get('tokenizer') is not None:
+    raise UserError(f'{path}: passthrough takes one tokenizer, tokenizer_source: base or a '
+                    'model; a union or a tokenizer block is built for merges only')
   if tokenizer is not None:
     check_exists(tokenizer, path, 'tokenizer_source')
   scale = _value(given.get('scale', 1.0), path, 'parameters.scale')
