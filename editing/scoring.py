@@ -242,12 +242,7 @@ def documents_perplexity(config: DecoderConfig, params, tokenizer: Tokenizer,
   prefix token (BOS, or EOS where the model has no BOS), so that every token of its text is
   scored, in windows within the document (no context crosses documents); perplexity =
   exp(Σ_d NLL_d / Σ_d n_d) over documents d of n_d tokens."""
-  prefix = tokenizer.token_id('bos_token')
-  if prefix is None:
-    prefix = tokenizer.token_id('eos_token')
-  if prefix is None:
-    raise UserError(f'the tokenizer of {tokenizer.source} has neither a BOS nor an EOS token '
-                    f'to start the documents of {source} with')
+  prefix = tokenizer.prefix_id()
   streams = [[prefix] + tokenizer.encode(d, add_special_tokens=False) for d in documents]
   streams = [s for s in streams if len(s) > 1]
   if not streams:

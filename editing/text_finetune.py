@@ -167,12 +167,15 @@ def rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
 
 
 def pairs(tokenizer: Tokenizer, examples: Sequence[tuple[str, str]], length: int) -> Rows:
-  """(prompt, answer) strings as rows: the prompt's tokens (BOS first where the tokenizer adds
-  it), then the answer's and EOS, which is scored too: an answer is exact only if it ends."""
+  """(prompt, answer) strings as rows: BOS (`Tokenizer.prefix_id`, whether or not the
+  tokenizer adds it) and the prompt's tokens, then the answer's and EOS, which is scored too:
+  an answer is exact only if it ends."""
   eos = tokenizer.token_id('eos_token')
   if eos is None:
     raise UserError(f'the tokenizer of {tokenizer.source} has no EOS token to end an answer')
-  return rows([tokenizer.encode(prompt) for prompt, _ in examples],
+  prefix = tokenizer.prefix_id()
+  return rows([[prefix] + tokenizer.encode(prompt, add_special_tokens=False)
+               for prompt, _ in examples],
               [tokenizer.encode(answer, add_special_tokens=False) + [eos]
                for _, answer in examples], length=length, pad_id=_pad_id(tokenizer))
 

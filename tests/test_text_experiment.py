@@ -169,7 +169,8 @@ def test_the_text_config_is_a_decoder_that_transformers_could_read():
 
 def test_real_weights_are_theta0_and_their_tokenizer_reads_the_suite(tmp_path):
   path = str(tmp_path / 'm.gguf')
-  tiny_gguf.write(path, tiny_gguf.llama_tensors(tied=True), add_bos=True)
+  # A tokenizer that adds no BOS itself, as SmolLM2's: every row still starts with one.
+  tiny_gguf.write(path, tiny_gguf.llama_tensors(tied=True), add_bos=False)
   config = text_quickstart.get_config('tiny')
   config.weights = path
   _, expected, file_tokenizer = gguf.load_gguf(path)
@@ -193,6 +194,8 @@ def test_real_weights_are_theta0_and_their_tokenizer_reads_the_suite(tmp_path):
       prompt, add_special_tokens=False)
   rows = text_data.load_task(config, 'reverse').train
   assert rows.tokens.shape[1] == config.suite.length
+  general = text_data.load_task(config, text_suite.HELD_OUT_TEXT).val
+  assert (general.tokens[:, 0] == file_tokenizer.token_id('bos_token')).all()
   data = text_finetune.pairs(tokens, [(prompt, answer)], 24)
   bos, eos = file_tokenizer.token_id('bos_token'), file_tokenizer.token_id('eos_token')
   assert data.tokens[0, data.mask[0]].tolist() == (

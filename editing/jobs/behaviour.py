@@ -169,7 +169,8 @@ def _continue(decoder: DecoderConfig, params, tokens, prompts: list[str], sectio
               key: jax.Array) -> list[str]:
   """Each prompt's sampled continuation, up to the end of its sentence."""
   stop = tokens.encode('.', add_special_tokens=False)
-  out = generate.generate(decoder, params, [tokens.encode(p) for p in prompts],
+  starts = [[tokens.prefix_id()] + tokens.encode(p, add_special_tokens=False) for p in prompts]
+  out = generate.generate(decoder, params, starts,
                           max_new_tokens=section.max_new_tokens,
                           temperature=section.temperature, key=key,
                           eos_ids=[tokens.token_id('eos_token')], stop_sequences=[stop],

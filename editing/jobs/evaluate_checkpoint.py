@@ -200,15 +200,6 @@ def _tokenizer(path: str) -> Tokenizer:
   return gguf.File(path).tokenizer
 
 
-def _prefix(tokenizer: Tokenizer, path: str) -> int:
-  """The token every scored text starts with: BOS, or EOS where the model has no BOS."""
-  for name in ('bos_token', 'eos_token'):
-    token = tokenizer.token_id(name)
-    if token is not None:
-      return token
-  raise UserError(f'{path}: its tokenizer has neither a BOS nor an EOS token to start a text')
-
-
 def score(path: str, config: ml_collections.ConfigDict, inputs: Inputs) -> dict:
   """The metrics of one checkpoint on the inputs asked for."""
   if os.path.isdir(path):
@@ -249,7 +240,7 @@ def choice_tokens(tokenizer: Tokenizer, prefix: int, context: str,
 
 def _multiple_choice(model, params, tokenizer, path, questions, delimiter, batch_size) -> dict:
   """acc and acc_norm over the questions, with each choice's summed log-likelihood."""
-  prefix = _prefix(tokenizer, path)
+  prefix = tokenizer.prefix_id()
   batch = []
   for number, q in enumerate(questions, 1):
     pairs = [choice_tokens(tokenizer, prefix, q.text, delimiter + c) for c in q.choices]
@@ -267,7 +258,7 @@ def _multiple_choice(model, params, tokenizer, path, questions, delimiter, batch
 
 def _exact_match(model, params, tokenizer, path, pairs, max_new_tokens) -> dict:
   """The share of prompts whose greedy answer, stopped at EOS, equals the reference."""
-  prefix = _prefix(tokenizer, path)
+  prefix = tokenizer.prefix_id()
   eos = tokenizer.token_id('eos_token')
   pad = tokenizer.token_id('pad_token')
   prompts = [[prefix] + tokenizer.encode(p, add_special_tokens=False) for p, _ in pairs]

@@ -115,6 +115,16 @@ class Tokenizer:
     token = self.special.get(name)
     return None if token is None else self.backend.token_to_id(token)
 
+  def prefix_id(self) -> int:
+    """The token a scored text starts with, so that its first token has a context: BOS, or EOS
+    where the model has no BOS (as lm-eval-harness starts a rolling window)."""
+    for name in ('bos_token', 'eos_token'):
+      token = self.token_id(name)
+      if token is not None:
+        return token
+    raise UserError(f'the tokenizer of {self.source} has neither a BOS nor an EOS token to '
+                    'start a text with')
+
   @property
   def vocab_size(self) -> int:
     """The number of ids, added tokens included."""
