@@ -41,10 +41,17 @@ class SquaredGradientSum:
 
     self._chunk_sum = jax.jit(chunk_sum)
 
-  def __call__(self, images: np.ndarray, extras: np.ndarray, shared=None) -> dict[str, np.ndarray]:
-    totals = {p: np.zeros(np.shape(v), np.float32) for p, v in self._scored.items()}
+  def __call__(self, images: np.ndarray, extras: np.ndarray, shared=None,
+               params: PyTree | None = None) -> dict[str, np.ndarray]:
+    """The sums at the construction's params, or at `params` (the same tree and shapes: the
+    compiled program serves both)."""
+    scored, rest = self._scored, self._rest
+    if params is not None:
+      flat = tree_lib.flatten(params)
+      scored, rest = {p: flat[p] for p in scored}, {p: flat[p] for p in rest}
+    totals = {p: np.zeros(np.shape(v), np.float32) for p, v in scored.items()}
     for batch in batching.padded_batches([images, extras], self._batch_size):
-      sums = self._chunk_sum(self._scored, self._rest, *batch.arrays, batch.weights, shared)
+      sums = self._chunk_sum(scored, rest, *batch.arrays, batch.weights, shared)
       for p, s in distributed.to_host(sums).items():
         totals[p] += s
     return totals

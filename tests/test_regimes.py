@@ -158,7 +158,7 @@ def test_talos_keeps_exactly_round_k_n_of_the_lowest_scores():
   total = sum(np.size(tree_lib.flatten(THETA0)[p]) for p in TALOS_PATHS)
   masks = {(keep, rounds): talos.calibrate(LOGITS, THETA0, TALOS_PATHS, CALIBRATION,
                                            jax.random.PRNGKey(6), keep=keep, rounds=rounds,
-                                           batch_size=4)
+                                           damping=0.1, batch_size=4)
            for keep, rounds in [(0.1, 4), (0.37, 1)]}
   for (keep, _), mask in masks.items():
     assert sorted(mask) == TALOS_PATHS
@@ -172,11 +172,49 @@ def test_talos_keeps_exactly_round_k_n_of_the_lowest_scores():
   assert kept.max() <= dropped.min()
 
 
+def lowest(scores: dict, count: int) -> dict:
+  """{path: bool} True on the `count` lowest scores over every path, ties to the earlier
+  (path-sorted, row-major) position, by a stable numpy sort."""
+  flat = np.concatenate([scores[p].ravel() for p in TALOS_PATHS])
+  chosen = np.zeros(flat.size, bool)
+  chosen[np.argsort(flat, kind='stable')[:count]] = True
+  sizes = np.cumsum([0] + [scores[p].size for p in TALOS_PATHS])
+  return {p: chosen[a:b].reshape(scores[p].shape)
+          for p, a, b in zip(TALOS_PATHS, sizes[:-1], sizes[1:])}
+
+
+@pytest.mark.parametrize('damping', [0.1, 1.0])
+def test_talos_rounds_score_the_network_with_dropped_entries_damped(damping):
+  """The authors' damped iterative selection: round 2 scores θ0 with round 1's dropped
+  entries multiplied by `damping`, those entries at +∞; damping 1 scores θ0 itself."""
+  key, keep = jax.random.PRNGKey(8), 0.2
+  flat = tree_lib.flatten(THETA0)
+  total = sum(np.size(flat[p]) for p in TALOS_PATHS)
+  first = lowest(talos.sensitivity(LOGITS, THETA0, TALOS_PATHS, CALIBRATION,
+                                   jax.random.fold_in(key, 1), batch_size=4),
+                 round(keep ** 0.5 * total))
+  damped = {**flat, **{p: np.where(first[p], flat[p], damping * np.asarray(flat[p]))
+                       for p in TALOS_PATHS}}
+  scores = talos.sensitivity(LOGITS, tree_lib.unflatten(damped), TALOS_PATHS, CALIBRATION,
+                             jax.random.fold_in(key, 2), batch_size=4)
+  expected = lowest({p: np.where(first[p], scores[p], np.inf) for p in TALOS_PATHS},
+                    round(keep * total))
+  got = talos.calibrate(LOGITS, THETA0, TALOS_PATHS, CALIBRATION, key, keep=keep, rounds=2,
+                        damping=damping, batch_size=4)
+  for p in TALOS_PATHS:
+    np.testing.assert_array_equal(got[p], expected[p], err_msg=p)
+  if damping == 1.0:
+    undamped_scores = talos.sensitivity(LOGITS, THETA0, TALOS_PATHS, CALIBRATION,
+                                        jax.random.fold_in(key, 2), batch_size=4)
+    for p in TALOS_PATHS:
+      np.testing.assert_array_equal(scores[p], undamped_scores[p], err_msg=p)
+
+
 def test_talos_breaks_ties_by_position():
   # Logits that read only the class embedding: every eligible entry scores 0, a full tie.
   flat_logits = lambda params, images: jnp.tile(params['class_embedding'][:5], (len(images), 1))
   mask = talos.calibrate(flat_logits, THETA0, TALOS_PATHS, CALIBRATION, jax.random.PRNGKey(0),
-                         keep=0.1, rounds=2, batch_size=4)
+                         keep=0.1, rounds=2, damping=0.1, batch_size=4)
   flat = np.concatenate([mask[p].ravel() for p in TALOS_PATHS])
   count = int(flat.sum())
   assert flat[:count].all() and not flat[count:].any()

@@ -22,9 +22,11 @@ Choices where the paper is silent:
   position embeddings, input-independent offsets that shift every input's features, the opposite
   of a localized edit. (The authors' code leaves those and the projection dense by accident of
   its module structure.)
-- The mask selects what trains, not what exists, so the model scored in every round is θ0 itself;
-  rounds differ in their sampled labels and in the +∞ of dropped entries, and the schedule keeps
-  what is insensitive under every round's sample.
+- Rounds after the first score the network whose dropped entries are scaled by `damping`
+  (0.1, as the authors' code's layer masking does in rounds 2–4: a damped iterative selection);
+  damping 1 scores θ0 itself in every round, so that rounds differ only in their sampled labels
+  and the +∞ of dropped entries (this module's behaviour before the setting, under which
+  docs/regimes.md's TaLoS rows were measured).
 - Sample i of round r is drawn with fold_in(fold_in(key, r), i), so the scores do not depend on
   how the calibration set is split into batches.
 - On a decoder (`DECODER_ELIGIBLE`): every attention and MLP weight and bias and every RMSNorm
@@ -81,20 +83,23 @@ def _scorer(logits_fn, params, paths, batch_size) -> gradients.SquaredGradientSu
 
 
 def calibrate(logits_fn: LogitsFn, params: PyTree, paths: list[str], images: np.ndarray,
-              key: jax.Array, *, keep: float, rounds: int,
+              key: jax.Array, *, keep: float, rounds: int, damping: float,
               batch_size: int = 32) -> dict[str, np.ndarray]:
   """The TaLoS mask {path: bool array}: True on the least sensitive entries, kept for training.
 
   After round r of `rounds`, exactly round(keep^(r/rounds) · N) of the N entries of the leaves
   at `paths` are True: the lowest scores of that round among those still kept, one threshold
-  over all leaves, ties to the earlier (path-sorted, row-major) position.
+  over all leaves, ties to the earlier (path-sorted, row-major) position. Round r scores the
+  params with the entries dropped so far multiplied by `damping`.
   """
   flat = tree_lib.flatten(params)
   kept = {p: np.ones(np.shape(flat[p]), bool) for p in paths}
   total = sum(m.size for m in kept.values())
   scorer = _scorer(logits_fn, params, paths, batch_size)
   for r in range(1, rounds + 1):
-    scores = scorer(images, np.arange(len(images)), jax.random.fold_in(key, r))
+    damped = tree_lib.unflatten({**flat, **{p: np.where(kept[p], flat[p], damping * flat[p])
+                                            for p in paths}})
+    scores = scorer(images, np.arange(len(images)), jax.random.fold_in(key, r), params=damped)
     # The lowest scores are the highest negated ones; entries already dropped score +∞.
     negated = {p: np.where(kept[p], -scores[p], -np.inf) for p in paths}
     count = int(round(keep ** (r / rounds) * total))
@@ -112,17 +117,20 @@ class Talos(Regime, settings_lib.Declared):
       keep=settings_lib.number(0.1, '(0, 1]', 'k, the fraction of eligible entries that train '
                                            '(0.1 = 90% sparsity)'),
       rounds=settings_lib.integer(4, '[1, inf)', 'R, the pruning rounds, each rescoring'),
+      damping=settings_lib.number(0.1, '[0, 1]', 'the factor on dropped entries in the network '
+                                             'rounds after the first score (1: θ0 each round)'),
       batch_size=settings_lib.integer(32, '[1, inf)', 'examples per vmapped chunk of per-example '
                                                   'gradients'))
 
   keep: float = settings['keep'].default
   rounds: int = settings['rounds'].default
+  damping: float = settings['damping'].default
   batch_size: int = settings['batch_size'].default
 
   def update_mask(self, params, *, logits_fn, images, key):
     paths = [p for p, eligible in self.trainable(params).items() if eligible]
     return calibrate(logits_fn, params, paths, images, key, keep=self.keep, rounds=self.rounds,
-                     batch_size=self.batch_size)
+                     damping=self.damping, batch_size=self.batch_size)
 
 
 TALOS = Talos('talos', trainable_patterns=ELIGIBLE)
