@@ -49,11 +49,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.merge = settings.defaults(merge_job.MERGE)
   config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
                           'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,'
-                          'regmean_plusplus,adamerging_task,adamerging_layer,dam')
+                          'regmean_plusplus,adamerging_task,adamerging_layer,dam,tall_masks,emr')
 
   if words & {'text', 'smollm2'}:
     # DAM perturbs pixels; tokens have no such space.
-    config.merge.methods = config.merge.methods.replace(',dam', '')
+    config.merge.methods = config.merge.methods.replace(',dam,', ',')
 
   # Each method's settings, unset until given (its declared defaults fill them in where it
   # merges), and its grid axes.
@@ -67,12 +67,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sweep.ties.density = (0.1, 0.2)
   config.sweep.dare.p = (0.3, 0.6)
   config.sweep.consensus.tall_lambda = (0.3, 0.5)
+  # The TALL-mask paper's grid of λ_t, chosen per task on that task's validation split.
+  config.sweep.tall_masks.tall_lambda = (0.2, 0.3, 0.4, 0.5, 0.6)
 
   if size == 'tiny':
     config.merge.update(lambda_step=0.5, train_examples=32)
     config.sweep.ties.density = (0.2,)
     config.sweep.dare.p = (0.5,)
     config.sweep.consensus.tall_lambda = (0.5,)
+    config.sweep.tall_masks.tall_lambda = (0.2, 0.6)
     config.wudi.steps = 5
     config.adamerging_task.steps = 3
     config.adamerging_layer.steps = 3

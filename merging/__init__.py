@@ -1,6 +1,8 @@
 """Merging methods: each a pure function over task vectors, in a file named after it.
 
-Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m. `REGISTRY` maps a
+Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m, or, where it keeps one
+vector per task (`Method.per_task`: EMR, TALL masks), a list of them, each applied to its own
+task's inputs. `REGISTRY` maps a
 method's config name to a `Method`: its `merge` function, what besides the task vectors it reads,
 whether λ is free (chosen on validation, like task arithmetic's, on 0 … `lambda_max`) or the
 merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging and DAM, whose
@@ -35,6 +37,7 @@ from merging import cart
 from merging import consensus
 from merging import dam
 from merging import dare
+from merging import emr
 from merging import della
 from merging import extract
 from merging import fisher
@@ -55,6 +58,7 @@ from merging import regmean_plusplus
 from merging import sce
 from merging import slerp
 from merging import sparsity as sparsity_lib
+from merging import tall_masks
 from merging import task_arithmetic
 from merging import ties
 from merging import tsv_m
@@ -106,6 +110,10 @@ class Method:
   writes: str = 'weights'
   # The mergekit merge_methods it runs, by mergekit's name (`merging.mergekit` reads them).
   mergekit: Mapping[str, Translation] = dataclasses.field(default_factory=dict)
+  # Whether its merge keeps one vector per task (EMR, TALL masks), each applied to its own
+  # task's inputs: the task's identity is needed at inference, and a checkpoint merge, which
+  # writes one model, does not run it.
+  per_task: bool = False
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -118,7 +126,7 @@ class Method:
   def data_free(self) -> bool:
     """Whether it reads nothing but the task vectors, θ0 and a key: it can stream
     checkpoints."""
-    return set(self.reads) <= {'key', 'theta0'}
+    return set(self.reads) <= {'key', 'theta0'} and not self.per_task
 
   @property
   def weighted(self) -> bool:
@@ -162,6 +170,8 @@ REGISTRY: dict[str, Method] = {
                               'breadcrumbs_ties': gta(('gamma',), 'band', elect_sign=True,
                                                       **_CRUMBS)}),
     'consensus': Method(consensus.merge),
+    'tall_masks': Method(tall_masks.merge, scaled=False, per_task=True),
+    'emr': Method(emr.merge, scaled=False, per_task=True),
     'magmax': Method(magmax.merge),
     # The SVD-era merges: each matrix is decomposed whole.
     'tsv_m': Method(tsv_m.merge, whole_tensor=True, elementwise=False,

@@ -243,8 +243,13 @@ out = {}
 # DAM's variants differ from it only in which masks they learn.
 for name in [n for n, m in merging.REGISTRY.items()
              if not m.low_rank and n not in ('dam_shared', 'dam_safe', 'dam_oracle')]:
-  one, split = (tree_lib.flatten(run(name, vs).delta) for vs in (vectors, placed))
-  out[name] = max(float(np.abs(np.asarray(split[p]) - np.asarray(one[p])).max()) for p in one)
+  merged = [run(name, vs) for vs in (vectors, placed)]
+  # A per-task method's vectors, one per task, compared task by task.
+  pairs = (zip(*merged) if merging.get(name).per_task else [merged])
+  out[name] = max(float(np.abs(np.asarray(b) - np.asarray(a)).max())
+                  for one, split in pairs
+                  for a, b in zip(tree_lib.flatten(one.delta).values(),
+                                  tree_lib.flatten(split.delta).values()))
 json.dump(out, sys.stdout)
 '''
 

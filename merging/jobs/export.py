@@ -6,8 +6,9 @@ the model exported is instead one task's fine-tune, θ0 + τ_task of the regime,
 ('pretrained').
 
 Reads <workdir>/merge/<regime>/<method>/params (orbax), or the task vector, and the workdir's
-θ0 record for the architecture; writes `config.export.output` through `editing.models.hf.export` (config.json,
-safetensors shards with their index above `shard_bytes`, renamed into place when complete).
+θ0 record for the architecture; writes `config.export.output` through
+`editing.models.hf.export` (config.json, safetensors shards with their index above
+`shard_bytes`, renamed into place when complete).
 """
 
 import os
@@ -17,6 +18,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+import merging
 from editing import checkpoint
 from editing import distributed
 from editing.errors import UserError
@@ -43,6 +45,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
     raise UserError(f'config.export.task = {task!r} is not a task of this experiment; choose '
                     f'one of {",".join(experiment.tasks(config))}, or {PRETRAINED!r} for θ0')
   if not task:
+    method = settings.method.split('+')[0]
+    if method in merging.REGISTRY and merging.get(method).per_task:
+      raise UserError(f'config.export.method = {settings.method} keeps a model per task; export '
+                      'a task\'s fine-tune with config.export.task, or a merge into one model')
     _source(config, workdir)
   theta0, _ = experiment.load_pretrained(workdir, config.model)
   model = checkpoint.load_tree(workdir_lib.pretrained_file(workdir))[1]['model']

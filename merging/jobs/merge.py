@@ -280,8 +280,8 @@ def text_task_data(encoder, theta0, task: text_finetune.TextTask, split: str,
 
 
 class Chosen(NamedTuple):
-  vector: Any  # the merged TaskVector
-  params: Any  # θ0 + λ·τ_m at the chosen λ
+  vector: Any  # the merged TaskVector ({task: its vector} for a per-task method)
+  params: Any  # θ0 + λ·τ_m at the chosen λ ({task: θ0 + τ'_t} for a per-task method)
   summary: dict  # hyperparameters, λ, validation score, test accuracies
 
 
@@ -320,6 +320,8 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
     logging.info('%s: merging the LoRA vectors\' ΔW = s·BA, multiplied out', name)
     vectors = [v.materialized(inputs.theta0) for v in vectors]
   names = list(inputs.data)
+  if method.per_task:
+    return _best_per_task(config, name, vectors, reads, inputs, evaluator, finetuned)
   grid = (evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
           else [1.0])
   best = None
@@ -357,6 +359,38 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
              **{k: addition[k] for k in ('test', 'normalized_test', 'mean_test',
                                          'mean_normalized_test')}}
   return Chosen(vector, vector.apply_to(inputs.theta0, addition['alpha']), summary)
+
+
+def _best_per_task(config: ml_collections.ConfigDict, name: str, vectors, reads: dict,
+                   inputs: MergeInputs, evaluator: evaluate.Evaluator,
+                   finetuned: dict) -> Chosen:
+  """A method that keeps a vector per task, each task's model θ0 + τ'_t scored on its own
+  data: each task's setting chosen on its own validation accuracy, as the TALL-mask paper
+  chooses λ_t, and its test accuracy read there."""
+  method, names, theta0 = merging.get(name), list(inputs.data), inputs.theta0
+  score = lambda vector, t, split: evaluator.accuracies(
+      theta0, evaluator.edit(theta0, vector, 1.0),
+      {t: (inputs.heads[t], getattr(inputs.data[t], split))})[t]
+  best = {}
+  for settings in hyperparameter_grid(config, name):
+    logging.info('%s: merging with %s', name, settings or 'defaults')
+    for t, vector in zip(names, method.merge(vectors, **reads, **settings)):
+      tree_lib.check_finite(vector.delta, f'the {name} merge of {t} with {settings or "defaults"}')
+      accuracy = score(vector, t, 'val')
+      if t not in best or accuracy > best[t][0]:
+        best[t] = (accuracy, settings, vector)
+  test = {t: score(best[t][2], t, 'test') for t in names}
+  normalized = {t: test[t] / finetuned[t]['test'] for t in names}
+  summary = {'hyperparameters': {t: best[t][1] for t in names}, 'swept': swept(config, name),
+             'per_task': True, 'lambda': 1.0,
+             'normalized_val': float(np.mean([best[t][0] / finetuned[t]['val'] for t in names])),
+             'test': test, 'normalized_test': normalized,
+             'mean_test': float(np.mean(list(test.values()))),
+             'mean_normalized_test': float(np.mean(list(normalized.values())))}
+  logging.info('%s: mean test %.3f (normalized %.3f), each task its own model', name,
+               summary['mean_test'], summary['mean_normalized_test'])
+  return Chosen({t: best[t][2] for t in names},
+                {t: best[t][2].apply_to(theta0, 1.0) for t in names}, summary)
 
 
 def _save_params(path: str, params) -> None:

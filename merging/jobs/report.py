@@ -19,7 +19,11 @@ def _merging_rows(summary: dict) -> list[list[str]]:
   ranked = sorted(summary['methods'].values(), key=lambda r: -r['mean_normalized_test'])
   for r in ranked:
     # The settings worth showing: those the grid chose among.
-    chosen = [f'{k}={r["hyperparameters"][k]}' for k in r['swept']]
+    if r.get('per_task'):  # a setting per task, each chosen on that task's validation
+      chosen = [f'{k}=' + '/'.join(str(r['hyperparameters'][t][k]) for t in names)
+                for k in r['swept']]
+    else:
+      chosen = [f'{k}={r["hyperparameters"][k]}' for k in r['swept']]
     if 'lines' in r:  # LiNeS' depth scaling in place of one λ
       chosen.append('α={alpha:.3g}, β={beta}'.format(**r['lines']))
     rows.append([r['method']] + [percent(r['test'][t]) for t in names] +
