@@ -1,6 +1,8 @@
 """editing.models.gguf: tiny GGUF files written with gguf's own writer, read back against their
 source tensors, transformers' own GGUF loading, and transformers' dequantizers."""
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -152,6 +154,19 @@ def test_unsupported_type_is_refused_by_tensor_and_type(tmp_path):
   with pytest.raises(UserError, match=r'm\.gguf: tensor blk\.1\.ffn_down\.weight is stored as '
                                       r'IQ4_NL'):
     gguf_lib.read(str(tmp_path / 'm.gguf'))
+
+
+def test_a_vocabulary_that_does_not_match_the_embedding_is_named(tmp_path):
+  """One embedding row more than the file's tokenizer has tokens."""
+  source = tiny_gguf.llama_tensors(tied=True)
+  embedding = source['model.embed_tokens.weight']
+  source['model.embed_tokens.weight'] = np.concatenate([embedding, embedding[:1]])
+  tiny_gguf.write(tmp_path / 'm.gguf', source)
+  with pytest.raises(UserError, match=rf'model\.embed_tokens\.weight has shape '
+                                      rf'\({tiny_gguf.VOCAB + 1}, {tiny_gguf.HIDDEN}\), the model '
+                                      rf'\({tiny_gguf.VOCAB}, {tiny_gguf.HIDDEN}\)'):
+    gguf_lib.load_gguf(str(tmp_path / 'm.gguf'))
+  assert os.listdir(tmp_path) == ['m.gguf']
 
 
 @pytest.mark.parametrize('keep', [0.0001, 0.002, 0.3, 0.9999])
