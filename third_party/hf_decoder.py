@@ -35,6 +35,8 @@ from editing.models.decoder_config import DecoderConfig
 # Saved beside the weights by some checkpoints, and not parameters: RoPE's frequency tables.
 _BUFFER_SUFFIX = '.rotary_emb.inv_freq'
 _TIED_HEAD = 'lm_head.weight'
+# Mixtral's expert tensors by our MLP leaf: w1 the gate, w3 the up and w2 the down projection.
+EXPERT_WEIGHTS = (('gate', 'w1'), ('up', 'w3'), ('down', 'w2'))
 
 
 def rules(config: DecoderConfig) -> list[keymap.Rule]:
@@ -72,7 +74,7 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
     table.append(('blocks_{i}/mlp/router/kernel', moe + 'gate.weight', 'linear'))
     table += [(f'blocks_{{i}}/mlp/experts_{e}/{ours}/kernel', f'{moe}experts.{e}.{theirs}.weight',
                'linear') for e in range(config.num_experts)
-              for ours, theirs in (('gate', 'w1'), ('up', 'w3'), ('down', 'w2'))]
+              for ours, theirs in EXPERT_WEIGHTS]
   else:
     for name in ('gate', 'up', 'down'):
       table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight',

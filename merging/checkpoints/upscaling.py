@@ -47,8 +47,6 @@ from merging.checkpoints import plan as plan_lib
 from merging.mergekit import moe as moe_lib
 from third_party import hf_decoder
 
-# Source model MLP → Mixtral expert tensor names, as mergekit maps them.
-EXPERT_NAMES = (('gate_proj', 'w1'), ('up_proj', 'w3'), ('down_proj', 'w2'))
 _DENSE = ('llama', 'mistral')
 
 
@@ -222,8 +220,8 @@ def _tensor_plan(base: hf.Checkpoint, sources: list, recipe: moe_lib.MoeRecipe,
     plan[name] = (gates[i].shape, base.header(f'model.layers.{i}.self_attn.q_proj.weight')[1],
                   lambda of, g=gates[i]: g.reshape(-1))
     for e, (expert, source) in enumerate(zip(recipe.experts, sources)):
-      for dense_name, moe_name in EXPERT_NAMES:
-        theirs = f'model.layers.{i}.mlp.{dense_name}.weight'
+      for leaf, moe_name in hf_decoder.EXPERT_WEIGHTS:
+        theirs = f'model.layers.{i}.mlp.{leaf}_proj.weight'
         out = f'model.layers.{i}.block_sparse_moe.experts.{e}.{moe_name}.weight'
         shape, dtype = source.header(theirs)
         plan[out] = (shape, dtype, lambda of, s=source, n=theirs, x=expert, o=out:
