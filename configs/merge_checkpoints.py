@@ -10,7 +10,9 @@ r"""Merging Hugging Face checkpoints, a tensor at a time (merging/checkpoints/).
 
 Methods: every data-free method of merging/ (averaging, task_arithmetic, ties (per tensor),
 dare, breadcrumbs, consensus, magmax, della, sce, slerp, nuslerp, multislerp, karcher, tsv_m,
-iso_c, iso_cts, wudi, model_stock: the same functions the suite's merges call), negation
+iso_c, iso_cts, wudi, model_stock: the same functions the suite's merges call), RegMean and
+RegMean++ of decoders on calibration text, a layer at a time (merging/checkpoints/
+calibrated.py: --config.method=regmean --config.calibration.file=text.txt), negation
 (θ0 − λτ), extract (write τ) and extract_lora (τ as a PEFT LoRA adapter). The weighted ones
 take per-model `weights` as mergekit does. A model may be a PEFT LoRA adapter directory (the
 base with it merged in); the LoRA-space methods (knots_ties, knots_dare, peft_cat, peft_svd,
@@ -32,6 +34,7 @@ import ml_collections
 import merging
 from editing import settings
 from editing.jobs import evaluate_checkpoint
+from merging.checkpoints import calibrated
 from merging.checkpoints import extraction
 
 
@@ -79,8 +82,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The methods' settings at the defaults merging/<method>.py declares, but that TIES ranks
   # each tensor on its own here, as mergekit does.
   for method, entry in merging.REGISTRY.items():
-    if entry.data_free:
+    if entry.data_free or method in calibrated.METHODS:
       config[method] = merging.defaults(method)
+  # The text regmean and regmean_plusplus take their Grams on, in windows read by the base's
+  # tokenizer (merging/checkpoints/calibrated.py).
+  config.calibration = settings.defaults(calibrated.SETTINGS)
   config.extract_lora = settings.defaults(extraction.options)
   config.ties.scope = config.dare.scope = 'tensor'
   return config

@@ -56,20 +56,26 @@ def _grams_of_batch(apply_fn: ApplyFn):
 
   def grams_of_batch(params, images, weights):
     grams = {}
-
-    def capture(next_fun, args, kwargs, context):
-      if _is_linear_call(context):
-        path = '/'.join(context.module.path + ('kernel',))
-        kernel = tree_lib.flatten(params)[path]
-        x = args[0].reshape(args[0].shape[0], -1, _fan_in(kernel.shape, args[0].shape))
-        grams[path] = jnp.einsum('b,bni,bnj->ij', weights, x, x)
-      return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(capture):
+    with nn.intercept_methods(capture_grams(weights, grams)):
       apply_fn(params, images)
     return grams
 
   return jax.jit(grams_of_batch)
+
+
+def capture_grams(weights: jax.Array, grams: dict):
+  """A flax interceptor (`nn.intercept_methods`) that puts Σ w xᵀx over the inputs x of each
+  Dense call into grams[its kernel path], `weights` weighing each example (batch,) or each
+  token (batch, tokens)."""
+  def capture(next_fun, args, kwargs, context):
+    if _is_linear_call(context):
+      path = '/'.join(context.module.path + ('kernel',))
+      x = args[0].reshape(args[0].shape[0], -1, _fan_in(context.module, args[0].shape))
+      w = weights if weights.ndim == 2 else weights[:, None]
+      grams[path] = jnp.einsum('bn,bni,bnj->ij', jnp.broadcast_to(w, x.shape[:2]), x, x)
+    return next_fun(*args, **kwargs)
+
+  return capture
 
 
 def _is_linear_call(context) -> bool:
@@ -93,12 +99,16 @@ def linear_layers(apply_fn: ApplyFn, params: common.PyTree, images: np.ndarray) 
   return list(dict.fromkeys(order))
 
 
-def _fan_in(kernel_shape, input_shape) -> int:
-  """The size of the input axes a kernel contracts: its leading axes that end the input's."""
-  for axes in range(1, len(kernel_shape)):
-    if tuple(kernel_shape[:axes]) == tuple(input_shape[-axes:]):
-      return math.prod(kernel_shape[:axes])
-  raise ValueError(f'kernel {kernel_shape} does not contract inputs {input_shape}')
+def _fan_in(module: nn.Module, input_shape) -> int:
+  """The size of the input axes a Dense layer contracts, the trailing ones: read from the
+  layer, since shapes alone cannot tell a kernel (heads, head_dim, out) contracting both
+  leading axes from one contracting the first where heads = head_dim."""
+  axis = getattr(module, 'axis', -1)
+  axes = sorted(a % len(input_shape) for a in ((axis,) if isinstance(axis, int) else axis))
+  if axes != list(range(len(input_shape) - len(axes), len(input_shape))):
+    raise ValueError(f'{module.path}: contracts axes {axis} of its inputs {input_shape}, not '
+                     'the trailing ones')
+  return math.prod(input_shape[a] for a in axes)
 
 
 def solve(weights: Sequence[jax.Array], grams: Sequence[jax.Array], alpha: float) -> jax.Array:

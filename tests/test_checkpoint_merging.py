@@ -371,9 +371,9 @@ def test_the_launch_job_merges_and_names_a_data_method_in_one_line(tmp_path, run
   run_python(args)
   assert set(reference.read_output(str(tmp_path / 'merged'))) == set(
       reference.read_output(base))
-  proc = run_python(args[:-1] + ['--config.method=regmean'], check=False)
+  proc = run_python(args[:-1] + ['--config.method=fisher'], check=False)
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1].startswith("error: config.method = 'regmean' reads data")
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: config.method = 'fisher' reads data")
 
 
 def test_a_global_ranking_with_ties_across_tensors_equals_the_in_memory_one(tmp_path):

@@ -34,7 +34,8 @@ from editing.models.decoder_config import DecoderConfig
 
 # Saved beside the weights by some checkpoints, and not parameters: RoPE's frequency tables.
 _BUFFER_SUFFIX = '.rotary_emb.inv_freq'
-_TIED_HEAD = 'lm_head.weight'
+EMBEDDING = 'model.embed_tokens.weight'
+TIED_HEAD = 'lm_head.weight'  # the embedding's copy, where the head is tied
 # Mixtral's expert tensors by our MLP leaf: w1 the gate, w3 the up and w2 the down projection.
 EXPERT_WEIGHTS = (('gate', 'w1'), ('up', 'w3'), ('down', 'w2'))
 
@@ -43,7 +44,7 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
   """(our path, their name, layout) for every leaf of the decoder `config` describes."""
   layer = 'model.layers.{i}.'
   attn = [('query', 'q_proj'), ('key', 'k_proj'), ('value', 'v_proj')]
-  table = [('embed/embedding', 'model.embed_tokens.weight', 'copy'),
+  table = [('embed/embedding', EMBEDDING, 'copy'),
            ('final_norm/scale', 'model.norm.weight', 'copy'),
            ('blocks_{i}/input_norm/scale', layer + 'input_layernorm.weight', 'copy')]
   for ours, theirs in attn:
@@ -82,7 +83,7 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
       if config.mlp_bias:
         table.append((f'blocks_{{i}}/mlp/{name}/bias', f'{layer}mlp.{name}_proj.bias', 'copy'))
   if not config.tie_embeddings:
-    table.append(('lm_head/kernel', _TIED_HEAD, 'linear'))
+    table.append(('lm_head/kernel', TIED_HEAD, 'linear'))
   return keymap.expand(table, config.num_layers)
 
 
@@ -101,34 +102,48 @@ def _is_kv(path: str) -> bool:
 def to_params(tensors: Mapping[str, np.ndarray], config: DecoderConfig, *,
               dtype: Any = np.float32, place: Callable[[str, np.ndarray], Any] | None = None
               ) -> dict:
-  """Our params (numpy, `dtype`) from HF-named tensors, read one name at a time. Missing,
-  unexpected and misshapen tensors are named together in one UserError; RoPE buffers, and
-  lm_head.weight when the embeddings are tied, are not parameters and are passed over.
+  """Our params (numpy, `dtype`) from HF-named tensors, read one name at a time, checked by
+  `check_tensors` first.
 
   `place(path, leaf)`, when given, takes each leaf as soon as it is converted, before the next
   tensor is read, and its result is the leaf kept (a device array, say)."""
-  table = rules(config)
-  shapes = param_shapes(config)
-  expected = {theirs: keymap.their_shape(layout, shapes[ours]) for ours, theirs, layout in table}
-  skipped = {n for n in tensors if n.endswith(_BUFFER_SUFFIX) or
-             (config.tie_embeddings and n == _TIED_HEAD)}
-  given = set(tensors) - skipped
+  shape = lambda name: tuple(getattr(tensors[name], 'shape', None) or np.shape(tensors[name]))
+  check_tensors({name: shape(name) for name in tensors}, config)
+  read = lambda name: np.asarray(tensors[name]).astype(dtype)
+  place = place or (lambda path, leaf: leaf)
+  flat = {rule[0]: place(rule[0], leaf(rule, read, config)) for rule in rules(config)}
+  return tree_lib.unflatten({path: flat[path] for path in param_shapes(config)})
+
+
+def check_tensors(shapes: Mapping[str, tuple[int, ...]], config: DecoderConfig) -> None:
+  """One UserError naming every missing, unexpected and misshapen tensor of {HF name: shape};
+  RoPE buffers, and lm_head.weight when the embeddings are tied, are not parameters and are
+  passed over (`is_parameter`)."""
+  ours = param_shapes(config)
+  expected = {theirs: keymap.their_shape(layout, ours[path])
+              for path, theirs, layout in rules(config)}
+  given = {n for n in shapes if is_parameter(n, config)}
   problems = [f'missing {n}' for n in sorted(set(expected) - given)]
   problems += [f'unexpected {n}' for n in sorted(given - set(expected))]
-  shape = lambda name: tuple(getattr(tensors[name], 'shape', None) or np.shape(tensors[name]))
-  problems += [f'{n} has shape {shape(n)}, the model {expected[n]}'
-               for n in sorted(set(expected) & given) if shape(n) != expected[n]]
+  problems += [f'{n} has shape {tuple(shapes[n])}, the model {expected[n]}'
+               for n in sorted(set(expected) & given) if tuple(shapes[n]) != expected[n]]
   if problems:
     raise UserError(f'the tensors do not fit a {config.model_type} decoder: ' +
                     '; '.join(problems))
-  read = lambda name: np.asarray(tensors[name]).astype(dtype)
-  place = place or (lambda path, leaf: leaf)
-  flat = {}
-  for rule in table:
-    heads = config.num_kv_heads if _is_kv(rule[0]) else config.num_heads
-    (path, leaf), = keymap.to_ours([rule], read, heads).items()
-    flat[path] = place(path, leaf)
-  return tree_lib.unflatten({path: flat[path] for path in shapes})
+
+
+def is_parameter(name: str, config: DecoderConfig) -> bool:
+  """Whether an HF tensor is one of the model's parameters: not a RoPE buffer, nor the tied
+  copy of the embedding."""
+  return not (name.endswith(_BUFFER_SUFFIX) or (config.tie_embeddings and name == TIED_HEAD))
+
+
+def leaf(rule: keymap.Rule, read: Callable[[str], np.ndarray], config: DecoderConfig
+         ) -> np.ndarray:
+  """Our leaf of one rule (our path, their name, layout), its tensor read by `read`."""
+  heads = config.num_kv_heads if _is_kv(rule[0]) else config.num_heads
+  (_, value), = keymap.to_ours([rule], read, heads).items()
+  return value
 
 
 def from_params(params: Any, config: DecoderConfig) -> dict[str, np.ndarray]:

@@ -26,6 +26,7 @@ from absl import logging
 
 import merging
 from editing import safetensors_io
+from editing import settings as settings_lib
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import evaluate_checkpoint
@@ -33,6 +34,7 @@ from editing.models import hf
 from editing.models import peft_adapter
 from merging import recipe as recipe_lib
 from merging.checkpoints import adapters
+from merging.checkpoints import calibrated
 from merging.checkpoints import extraction
 from merging.checkpoints import output as output_lib
 from merging.checkpoints import passthrough
@@ -50,11 +52,14 @@ RECORD = output_lib.RECORD
 def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
           overwrite: bool = False, recipe: str | None = None,
           slices: sliced.Slices | None = None, tokenizer: str | None = None,
-          pad_to_multiple_of: int = 0) -> dict:
+          pad_to_multiple_of: int = 0,
+          calibration: calibrated.Calibration | None = None) -> dict:
   """Merges `models` onto `base` into the Hugging Face directory `output`, whose README.md
   records the merge (and the mergekit `recipe`, its YAML text, if one set it); returns a
   summary. `slices` merge layer ranges of the models into the output's layers (`sliced`);
-  `tokenizer` names the vocabulary the embedding rows are aligned to (`vocabulary`)."""
+  `tokenizer` names the vocabulary the embedding rows are aligned to (`vocabulary`); the
+  data-driven merges of decoders read their Grams on the `calibration` windows
+  (`calibrated`)."""
   if not models:
     raise UserError('config.models: no fine-tuned model to merge')
   count = 1 if plan.method in plan_lib.SINGLE_MODEL else merging.get(plan.method).vectors
@@ -74,6 +79,17 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
   base_ckpt = hf.Checkpoint(base)
   ckpts = [hf.Checkpoint(m) if m in dense else peft_adapter.Adapted(base_ckpt, m)
            for m in models]
+  if plan.method in calibrated.METHODS and calibration is None:
+    raise UserError(f'config.method = {plan.method} takes its Grams on calibration text; give '
+                    'config.calibration.file')
+  if calibration is not None and plan.method not in calibrated.METHODS:
+    raise UserError(f'config.calibration.file is read by the data-driven merges of decoders, '
+                    f'{", ".join(calibrated.METHODS)}; config.method = {plan.method} reads none')
+  if calibration is not None:
+    if slices is not None or tokenizer is not None or pad_to_multiple_of:
+      raise UserError(f'config.method = {plan.method}: a data-driven merge runs the models '
+                      'whole, not with config.slices or config.tokenizer')
+    calibrated.LayerMerge.check(base_ckpt)
   positions = None
   if slices is not None:
     if len(dense) < len(models) or plan.method in plan_lib.SINGLE_MODEL:
@@ -100,12 +116,16 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     vocabulary.check_same(base, dense)
   names = sorted(base_ckpt.files)
   _check_same_tensors(base, base_ckpt, models, ckpts, names)
+  if calibration is not None:
+    names = calibrated.LayerMerge.order_of(base_ckpt)
   shards = _shards(base_ckpt, names, plan)
   record = {'plan': plan.record(),
             'inputs': [output_lib.fingerprint(c) for c in [base_ckpt, *ckpts]],
             'shards': [{'file': s.file, 'names': s.names} for s in shards]}
   if slices is not None:
     record['slices'] = [dict(piece) for piece in slices]
+  if calibration is not None:
+    record['calibration'] = calibrated.digest(calibration)
   if aligned is not None:
     record['vocabulary'] = {'tokenizer': tokenizer, 'pad_to_multiple_of': pad_to_multiple_of,
                             'rows': aligned.vocabulary.rows}
@@ -119,6 +139,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
                                                plan.settings, base)
     elif low_rank:
       summary['adapter'] = adapters.write(base_ckpt, models, partial.path, plan, base)
+    elif calibration is not None:
+      _write_calibrated(partial, plan, shards, calibration)
     else:
       _write_shards(partial, models, plan, shards, len(names), positions)
 
@@ -168,6 +190,29 @@ def _write_shards(partial: output_lib.Partial, models, plan, shards, count, posi
       logging.info('%s: %d/%d tensors, %.0f tensors/s, %.1f MB/s, eta %.0f s', shard.file,
                    done_tensors, count, done_tensors / max(time.time() - start, 1e-9),
                    rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
+  safetensors_io.write_index(partial.path, shards)
+
+
+def _write_calibrated(partial: output_lib.Partial, plan: plan_lib.Plan, shards,
+                      calibration: calibrated.Calibration) -> None:
+  """The shards of a data-driven merge, its tensors made a layer at a time in the order the
+  shards hold them (a resumed merge runs the layers of the finished shards again, and keeps
+  their files)."""
+  base_ckpt, *ckpts = partial.readers
+  layers = calibrated.LayerMerge(base_ckpt, ckpts, plan.method, plan.settings, plan.scale,
+                                 calibration)
+  dtypes = {name: dtype for shard in shards for name, _, dtype in shard.entries}
+  start = time.time()
+  for shard in shards:
+    if not partial.has(shard.file):
+      pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries,
+                              lambda name: layers.tensor(name).astype(dtypes[name]).reshape(-1),
+                              lambda whole, first, end: whole[first:end], plan.prefetch)
+      partial.shard_done()
+    else:
+      for name in shard.names:
+        layers.tensor(name)
+    logging.info('%s: written, %.0f s', shard.file, time.time() - start)
   safetensors_io.write_index(partial.path, shards)
 
 
@@ -231,11 +276,21 @@ def run(config, workdir: str) -> dict:
       summary = merge(recipe.base, list(recipe.models), output, recipe.plan(),
                       overwrite=recipe.overwrite, recipe=recipe.mergekit_yaml,
                       slices=recipe.slices, tokenizer=recipe.tokenizer,
-                      pad_to_multiple_of=recipe.pad_to_multiple_of)
+                      pad_to_multiple_of=recipe.pad_to_multiple_of,
+                      calibration=_calibration(config, recipe))
   if evaluation is not None:
     evaluation.checkpoints = ','.join(dict.fromkeys([*inputs, summary['output']]))
     summary['scores'] = evaluate_checkpoint.run(evaluation, workdir)
   return summary
+
+
+def _calibration(config, recipe: 'recipe_lib.Recipe') -> calibrated.Calibration | None:
+  """config.calibration's windows, read by the base's tokenizer, where its file is given."""
+  section = config.get('calibration')
+  if section is None or not section.get('file'):
+    return None
+  values = settings_lib.check(calibrated.SETTINGS, section.to_dict(), 'config.calibration')
+  return calibrated.read(values, recipe.base)
 
 
 def _evaluation(config) -> ml_collections.ConfigDict | None:

@@ -14,6 +14,7 @@ import merging
 from editing.errors import UserError
 from editing import settings as settings_lib
 from merging import sparsity as sparsity_lib
+from merging.checkpoints import calibrated
 from merging.checkpoints import extraction
 from merging.checkpoints import layered
 
@@ -27,8 +28,10 @@ OUTPUT_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtypes
 
 def methods() -> tuple[str, ...]:
   """The methods a checkpoint merge runs: the data-free ones of `merging` (those in LoRA space
-  merge PEFT adapters), and SINGLE_MODEL."""
-  return tuple(n for n, m in merging.REGISTRY.items() if m.data_free) + SINGLE_MODEL
+  merge PEFT adapters), the data-driven ones of decoders on calibration text (`calibrated`),
+  and SINGLE_MODEL."""
+  return (tuple(n for n, m in merging.REGISTRY.items() if m.data_free) + calibrated.METHODS +
+          SINGLE_MODEL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Plan:
       entry = merging.REGISTRY.get(self.method)
       if entry is not None:
         raise UserError(f'config.method = {self.method!r} reads data ({", ".join(entry.reads)});'
-                        f' checkpoint merging runs only the data-free methods {known}')
+                        f' checkpoint merging runs {known}')
       raise UserError(f'config.method = {self.method!r} is not a checkpoint merge; known: {known}')
     where = f'config.{self.method}'
     settings = (settings_lib.check(_BESIDE[self.method], self.settings, where)
