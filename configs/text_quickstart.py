@@ -78,8 +78,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # launch.export: the merge of `method` in `regime` (launch.merge) to a Hugging Face
   # directory with its tokenizer, which transformers and launch.evaluate_checkpoint read.
   # `task`: '' for the merge; a task's name for its fine-tune θ0 + τ; 'pretrained' for θ0.
+  # `answers`: a directory to write the tasks to as jsonl (test.jsonl for exact match,
+  # train.jsonl for calibration), for the checkpoint jobs.
   config.export = ml_collections.ConfigDict(dict(regime='full', method='task_arithmetic',
-                                                 task='', output='', shard_bytes=2 * 1024**3))
+                                                 task='', output='', answers='',
+                                                 shard_bytes=2 * 1024**3))
 
   config.num_devices = 0
   config.sharding = ml_collections.ConfigDict(dict(preset='dp', fsdp=1, tensor=1))

@@ -14,9 +14,11 @@ from configs import merge as merge_config
 from configs import text_quickstart
 from editing import checkpoint
 from editing import generate
+from editing import scoring
 from editing import tree as tree_lib
 from editing.data import text_suite
 from editing.errors import UserError
+from editing.jobs import evaluate_checkpoint
 from editing.jobs import experiment
 from editing.jobs import pretrain
 from editing.jobs import quickstart
@@ -140,7 +142,17 @@ def test_a_fine_tune_and_theta0_export_as_causal_lms(text_run, tmp_path):
     _, params = hf_decoder.load(config.export.output)
     for path, value in tree_lib.flatten(params).items():
       np.testing.assert_allclose(value, expected[path], rtol=1e-6, atol=1e-7, err_msg=path)
-  config.export.update(task='add', output=str(tmp_path / 'add'))
+  config.export.update(answers=str(tmp_path / 'answers'))
+  export.run(config, workdir)
+  test = evaluate_checkpoint.read_pairs(str(tmp_path / 'answers' / 'test.jsonl'))
+  suite = config.suite
+  expected_test = [pair for name in ('reverse', 'sort', 'cipher') for pair in text_suite.load_task(
+      name, seed=suite.seed, train_size=suite.train_size, val_size=suite.val_size,
+      test_size=suite.test_size).test]
+  assert test == expected_test
+  train = scoring.read_documents(str(tmp_path / 'answers' / 'train.jsonl'))
+  assert len(train) == 3 * suite.train_size and train[0].startswith('reverse: ')
+  config.export.update(task='add', answers='', output=str(tmp_path / 'add'))
   with pytest.raises(UserError, match=r"config.export.task = 'add' is not a task of this "
                                       r"experiment; choose one of reverse,sort,cipher"):
     export.run(config, workdir)

@@ -57,7 +57,13 @@ def load_task(config: ml_collections.ConfigDict, name: str) -> text_finetune.Tex
     return text_finetune.TextTask(name, *(
         text_finetune.documents(tokens, text[end - size:end], suite_config.length,
                                 metric='likelihood') for size, end in zip(sizes, ends)))
-  task = text_suite.load_task(name, seed=suite_config.seed, train_size=suite_config.train_size,
-                              val_size=suite_config.val_size, test_size=suite_config.test_size)
+  task = suite_task(config, name)
   return text_finetune.TextTask(name, *(text_finetune.pairs(tokens, split, suite_config.length)
                                         for split in (task.train, task.val, task.test)))
+
+
+def suite_task(config: ml_collections.ConfigDict, name: str) -> text_suite.Task:
+  """A text suite task's (prompt, answer) splits at the config's seed and sizes."""
+  suite_config = config.suite
+  return text_suite.load_task(name, seed=suite_config.seed, train_size=suite_config.train_size,
+                              val_size=suite_config.val_size, test_size=suite_config.test_size)

@@ -8,9 +8,14 @@ the model exported is instead one task's fine-tune, θ0 + τ_task of the regime,
 Reads <workdir>/merge/<regime>/<method>/params (orbax), or the task vector, and the workdir's
 θ0 record for the architecture; writes `config.export.output` through
 `editing.models.hf.export` (config.json, safetensors shards with their index above
-`shard_bytes`, renamed into place when complete).
+`shard_bytes`, renamed into place when complete). With `config.export.answers`, a directory,
+a text experiment's tasks are written there too, for the checkpoint jobs to read:
+test.jsonl, each test example as {"task", "prompt", "answer"} (launch.evaluate_checkpoint's
+exact match), and train.jsonl, each training example as {"task", "text"}, its prompt and
+answer (a merge's calibration text).
 """
 
+import json
 import os
 
 import jax
@@ -19,6 +24,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 import merging
+from editing import atomic
 from editing import checkpoint
 from editing import distributed
 from editing.errors import UserError
@@ -63,6 +69,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
     params = distributed.to_host(vector.apply_to(theta0))
   else:
     params = merged_params(config, workdir, theta0)
+  if settings.get('answers') and distributed.is_primary():
+    if not decoder:
+      raise UserError('config.export.answers: the tasks are written for a text experiment')
+    write_answers(config, settings.answers)
   if distributed.is_primary() and decoder:
     hf_decoder.export(params, DecoderConfig.from_hf(experiment.weights_of(model)),
                       settings.output, shard_bytes=settings.shard_bytes,
@@ -73,6 +83,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> str:
   logging.info('exported %s (%s) to %s', f'the {task} model' if task else
                f'the {settings.method} merge', settings.regime, settings.output)
   return settings.output
+
+
+def write_answers(config: ml_collections.ConfigDict, directory: str) -> None:
+  """The experiment's text tasks as test.jsonl ({"task", "prompt", "answer"} per test
+  example) and train.jsonl ({"task", "text"} per training example) in `directory`."""
+  os.makedirs(directory, exist_ok=True)
+  test, train = [], []
+  for name in experiment.tasks(config):
+    task = text_data.suite_task(config, name)
+    test += [{'task': name, 'prompt': p, 'answer': a} for p, a in task.test]
+    train += [{'task': name, 'text': p + a} for p, a in task.train]
+  for name, records in (('test.jsonl', test), ('train.jsonl', train)):
+    atomic.write_bytes(os.path.join(directory, name),
+                       ''.join(json.dumps(r) + '\n' for r in records).encode())
 
 
 def merged_params(config: ml_collections.ConfigDict, workdir: str, theta0):
