@@ -5,7 +5,9 @@ combination of the method's grid, choose the combination and λ (for the methods
 their merge) by mean normalized validation accuracy, report test accuracy there, and save the
 merged params with orbax to <workdir>/merge/<regime>/<method>/params. Writes
 <workdir>/merge/<regime>/results.json and report.md (methods sorted by mean normalized test
-accuracy). A method whose result exists for the same settings is not rerun; under other
+accuracy). With config.merge.continual, the continual protocol runs after the sweep
+(merging/jobs/continual.py), and alone where config.merge.methods is empty. A method whose
+result exists for the same settings is not rerun; under other
 settings it is redone and overwritten. Results are kept per method: the report lists every
 method whose stored result was made under the current settings, the ones listed in
 `config.merge.methods` now and the ones merged before.
@@ -49,6 +51,7 @@ from editing.regimes.lora import LoRA
 import merging
 from merging import common
 from merging import lines
+from merging.jobs import continual
 from merging.jobs import report
 
 # config.merge: which methods, λ's grid, and what the data-driven methods read. (Each method's
@@ -60,14 +63,19 @@ MERGE = dict(
     lines=settings_lib.text('', 'the methods also run scaled by depth (LiNeS), comma-separated'),
     seed=settings_lib.integer(0, '[0, inf)', 'the key of the methods that draw'),
     train_examples=settings_lib.integer(256, '[1, inf)', 'labeled training examples per task '
-                                                         'that the data-driven methods read'))
+                                                         'that the data-driven methods read'),
+    continual=settings_lib.text('', 'the continual merging methods run after the sweep, '
+                                    'comma-separated (merging/continual.py); \'\': none'),
+    orders=settings_lib.integer(3, '[1, inf)', 'task orders of the continual protocol'))
 SECTIONS = {'merge': MERGE, **evaluate_job.SECTIONS}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Merges and evaluates every method of `config.merge.methods` for every regime."""
   checks.validate(config, SECTIONS)
-  methods = methods_from(config.merge.methods, key='config.merge.methods')
+  continual_methods = continual.methods_from(config.merge.continual)
+  methods = (methods_from(config.merge.methods, key='config.merge.methods')
+             if config.merge.methods.strip() or not continual_methods else [])
   regimes = experiment.configured_regimes(config)
   for regime in regimes:
     refused = [m for m in methods if regime.name in merging.get(m).refused_regimes]
@@ -99,7 +107,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   for regime in regimes:
     exp.vectors(regime.name)
   workdir_lib.use_compilation_cache(workdir)
-  return {regime.name: merge_regime(exp, regime.name, methods) for regime in regimes}
+  results = {}
+  for regime in regimes:
+    results[regime.name] = merge_regime(exp, regime.name, methods) if methods else {}
+    if continual_methods:
+      results[regime.name]['continual'] = continual.run_regime(
+          exp, regime.name, continual_methods, config.merge.orders, config.merge.seed)
+  return results
 
 
 def methods_from(value: str, *, key: str) -> list[str]:
