@@ -97,7 +97,8 @@ def get_config(arg: str | None = 'vit_b32') -> ml_collections.ConfigDict:
     config.finetune.update(steps=6, batch_size=8, learning_rate=1e-3, warmup_steps=1,
                            checkpoint_every=3, log_every=3)
     config.eval.update(batch_size=16, alpha_step=0.5, disentanglement_points=2,
-                       disentanglement_size=8)
+                       disentanglement_size=8,
+                       linearity_alphas='')  # tests/test_linearity.py runs it
     config.talos.update(batch_size=4, rounds=1)
     for name in ('lora', 'l_lora'):
       config[name].update(rank=4, alpha=8.0)

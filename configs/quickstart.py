@@ -129,7 +129,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                            checkpoint_every=6, log_every=6)
     config.talos.update(batch_size=8)
     config.eval.update(batch_size=64, alpha_step=0.25, disentanglement_points=3,
-                       disentanglement_size=24)
+                       disentanglement_size=24,
+                       linearity_alphas='')  # tests/test_linearity.py runs it
   elif arg:
     raise ValueError(f'unknown config argument {arg!r}; use none or "tiny"')
   return config

@@ -96,7 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                            log_every=15)
     config.talos.update(batch_size=8)
     config.eval.update(batch_size=64, alpha_step=0.25, control_val_size=48,
-                       disentanglement_points=3, disentanglement_size=16)
+                       disentanglement_points=3, disentanglement_size=16,
+                       linearity_alphas='')  # tests/test_linearity.py runs it
   elif arg:
     raise ValueError(f'unknown config argument {arg!r}; use none or "tiny"')
   return config

@@ -47,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          checkpoint_every=50, log_every=10)
 
   # Evaluation batches of 32 rows keep the 49,152-way logits near 200 MB; ξ on a 3×3 grid of
-  # 32 prompts per pair.
+  # 32 prompts per pair; no linearity diagnostic, whose jvp holds several such logits a batch.
   config.eval.update(batch_size=32, control_val_size=100, disentanglement_points=3,
-                     disentanglement_size=32)
+                     disentanglement_size=32, linearity_alphas='')
   return config

@@ -10,6 +10,7 @@ from absl import logging
 
 from editing import atomic
 from editing import evaluate
+from editing import linearity
 from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -30,7 +31,11 @@ EVAL = dict(
                                             'pairs of the tasks'),
     disentanglement_limit=settings.number(2.0, '(0, inf)', 'ξ\'s grid spans ±limit'),
     disentanglement_points=settings.integer(9, '[1, inf)', 'ξ\'s grid points per axis'),
-    disentanglement_size=settings.integer(128, '[1, inf)', 'test images per task ξ reads'))
+    disentanglement_size=settings.integer(128, '[1, inf)', 'test images per task ξ reads'),
+    linearity_alphas=settings.text('0.5,1,2', 'the α of the linearity diagnostic, '
+                                              'comma-separated; \'\': none'),
+    linearity_size=settings.integer(64, '[1, inf)', 'test inputs of each other task that the '
+                                                    'linearity diagnostic reads'))
 SECTIONS = {'eval': EVAL}
 
 
@@ -40,6 +45,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checks.validate(config, SECTIONS)
   regimes = [r.name for r in experiment.configured_regimes(config)]
   pairs = disentanglement_pairs(config, experiment.tasks(config))
+  linearity_alphas(config)
   exp = experiment.Experiment.load(config, workdir)
   for regime in regimes:
     exp.vectors(regime)
@@ -67,6 +73,38 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      report.comparison_markdown(results).encode())
   print(report.comparison_table(results))
   return results
+
+
+def _linearity(exp: experiment.Experiment, regime: str, vectors: dict, data: dict) -> dict:
+  """`editing.linearity`'s departure d(α) of each task vector on the other tasks' test
+  inputs, and its mean over the tasks; {} where config.eval.linearity_alphas is empty."""
+  config, names = exp.config, exp.tasks
+  alphas = linearity_alphas(config)
+  if not alphas or len(names) < 2:
+    return {}
+  encoder = experiment.regime(config, regime).encoder(exp.apply_fn)
+  size = config.eval.linearity_size
+  inputs = {t: data[t].test.take(size).batch(np.arange(min(size, len(data[t].test))))[0]
+            for t in names}
+  departure = {}
+  for t in names:
+    logging.info('%s: linearity of %s on the other tasks\' inputs', regime, t)
+    others = np.concatenate([inputs[o] for o in names if o != t])
+    departure[t] = linearity.departures(encoder, exp.theta0, vectors[t], others, alphas)
+  return {'alphas': alphas, 'departure': departure,
+          'mean': np.mean(list(departure.values()), axis=0).tolist()}
+
+
+def linearity_alphas(config: ml_collections.ConfigDict) -> list[float]:
+  """config.eval.linearity_alphas as numbers, each > 0."""
+  text = config.eval.linearity_alphas
+  try:
+    alphas = [float(a) for a in text.split(',') if a.strip()]
+  except ValueError:
+    alphas = None
+  if alphas is None or not all(a > 0 for a in alphas):
+    raise UserError(f'config.eval.linearity_alphas = {text!r}: numbers above 0, comma-separated')
+  return alphas
 
 
 def disentanglement_pairs(config: ml_collections.ConfigDict,
@@ -125,11 +163,14 @@ def evaluate_regime(exp: experiment.Experiment, regime: str, control: str, pretr
         evaluator, theta0, (vectors[a], vectors[b]), heads=(heads[a], heads[b]),
         data=(data[a].test.take(size), data[b].test.take(size)), alphas=grid).tolist()
 
+  linear = _linearity(exp, regime, vectors, data)
+
   results = {'regime': regime, 'tasks': names, 'control_task': control,
              'pretrained': pretrained, 'finetuned': finetuned, 'addition': addition,
              'negation': negation, 'negation_threshold': config.eval.negation_threshold,
              'disentanglement': {'alphas': grid, 'xi': xi,
-                                 'mean': float(np.mean(list(xi.values()))) if xi else None}}
+                                 'mean': float(np.mean(list(xi.values()))) if xi else None},
+             **({'linearity': linear} if linear else {})}
   directory = workdir_lib.evaluation_dir(exp.workdir, regime)
   atomic.write_json(os.path.join(directory, 'results.json'), results)
   atomic.write_bytes(os.path.join(directory, 'report.md'),

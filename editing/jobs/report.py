@@ -109,6 +109,12 @@ def markdown(results: dict) -> str:
             'fine-tuned accuracy. Negation: θ0 − α·τ_t, α per task '
             f'({negation_alphas}) minimising target validation accuracy while {control} (control) '
             f'keeps ≥ {threshold:g}% of its pretrained accuracy ({control_accuracy:.1f}%).\n')
+  if 'linearity' in results:
+    linear = results['linearity']
+    out.write('\nLinearity (`editing.linearity`): the departure d(α) = ‖f(θ0 + ατ) − f(θ0) − α·Jτ‖ '
+              '/ ‖α·Jτ‖ of each task vector on the other tasks\' test inputs, mean over tasks: ' +
+              ', '.join(f'd({a:g}) = {d:.3f}' for a, d in zip(linear['alphas'], linear['mean'])) +
+              '.\n')
   return out.getvalue()
 
 
