@@ -24,7 +24,8 @@ base with it merged in); the LoRA-space methods (knots_ties, knots_dare, peft_ca
 `mergekit` reads a mergekit YAML config (merging/mergekit/reader.py) in place of the flags it
 sets; both become one `merging.recipe.Recipe`. The output's README.md records the merge (and
 the recipe). `mergekit_moe` reads a mergekit-moe YAML config (merging/mergekit/moe.py) and
-upscales its dense Llama or Mistral models into a Mixtral (merging/checkpoints/upscaling.py):
+upscales its dense Llama or Mistral models into a Mixtral, or Qwen3 ones into a Qwen3-MoE
+(merging/checkpoints/upscaling.py):
 
   python -m launch.merge_checkpoints --config.mergekit_moe=moe.yaml --config.output=/models/moe
 """
@@ -54,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dtype = ''  # of the output's floating tensors (float32, bfloat16, float16); '': base's
   config.prefetch = 2  # blocks merged ahead in threads while one is written (up to the cores)
   config.mergekit = ''  # a mergekit YAML config that sets the merge instead of the flags
-  config.mergekit_moe = ''  # a mergekit-moe YAML config: dense models upscaled to a Mixtral
+  config.mergekit_moe = ''  # a mergekit-moe YAML config: dense models upscaled to a MoE
   # Scoring the output beside its inputs once it is written, where a file is given: the
   # sections of configs/evaluate_checkpoint.py (perplexity, multiple_choice, exact_match, scoring).
   config.evaluate = ml_collections.ConfigDict(

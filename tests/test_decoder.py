@@ -34,6 +34,10 @@ FAMILIES = {
                 dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
     'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    # Unnormalised routing weights, where Mixtral's are renormalised.
+    'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       norm_topk_prob=False)),
     'gemma2': (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=1.0,
         final_logit_softcapping=3.0)),

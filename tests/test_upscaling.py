@@ -1,4 +1,5 @@
-"""MoE upscaling of dense Llamas into a Mixtral from a mergekit-moe YAML: the routers against a
+"""MoE upscaling of dense Llamas into a Mixtral (and Qwen3s into a Qwen3-MoE) from a
+mergekit-moe YAML: the routers against a
 numpy port of mergekit-moe's gate code run on transformers' model, the output loaded by
 transformers with our logits, the experts and the base's tensors where mergekit puts them,
 equal experts computing the dense model, and the inputs refused by name."""
@@ -28,11 +29,15 @@ PROMPTS = {  # expert: (positive, negative)
 }
 
 
-def llama(directory, seed: int, **overrides):
-  """A random tiny Llama saved with the characters tokenizer; seeds give different models."""
+def llama(directory, seed: int, family: str = 'llama', **overrides):
+  """A random tiny Llama (or Qwen3) saved with the characters tokenizer; seeds give different
+  models."""
   torch.manual_seed(seed)
-  config = transformers.LlamaConfig(**{**SIZES, **overrides}, attn_implementation='eager')
-  model = transformers.LlamaForCausalLM(config).eval()
+  config_class, model_class = {
+      'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+      'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+  config = config_class(**{**SIZES, **overrides}, attn_implementation='eager')
+  model = model_class(config).eval()
   with torch.no_grad():
     for p in model.parameters():
       p.add_(0.05 * torch.randn_like(p))
@@ -152,6 +157,34 @@ def test_the_mixtral_loads_in_transformers_with_our_logits_and_mergekits_tensors
   assert os.path.exists(os.path.join(out, 'tokenizer.json'))
 
 
+def test_qwen3_models_upscale_to_a_qwen3_moe_that_transformers_loads(tmp_path):
+  """mergekit-moe writes Qwen3 inputs as a Qwen3-MoE: the experts under the dense names,
+  renormalised top-k; transformers' logits are ours, and equal experts give the dense model."""
+  root = tmp_path / 'qwen3'
+  made = {name: llama(root / name, seed, 'qwen3') for seed, name in enumerate(('base', 'a', 'b'))}
+  out = upscale(tmp_path, root, name='qwen3_moe')
+  written, sources = tensors(out), [tensors(root / 'a'), tensors(root / 'b')]
+  for i in range(SIZES['num_hidden_layers']):
+    for e, source in enumerate(sources):
+      for leaf in ('gate', 'up', 'down'):
+        np.testing.assert_array_equal(written[f'model.layers.{i}.mlp.experts.{e}.{leaf}_proj.weight'],
+                                      source[f'model.layers.{i}.mlp.{leaf}_proj.weight'])
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation='eager')
+  assert type(model).__name__ == 'Qwen3MoeForCausalLM' and model.config.norm_topk_prob
+  config, params = hf_decoder.load(out)
+  assert (config.model_type, config.num_experts, config.normalize_top_k) == ('qwen3_moe', 2, True)
+  tokens = np.random.default_rng(0).integers(0, SIZES['vocab_size'], (2, 12))
+  from tests import test_decoder  # pylint: disable=g-import-not-at-top
+  ours = test_decoder.ours(config, params, tokens, np.ones_like(tokens, bool))
+  np.testing.assert_allclose(ours, test_decoder.theirs(model, tokens), atol=1e-5)
+  same = upscale(tmp_path, root, name='qwen3_same', gate_mode='random',
+                 experts=[{'source_model': str(root / 'base')}] * 3)
+  model = transformers.AutoModelForCausalLM.from_pretrained(same, attn_implementation='eager')
+  with torch.no_grad():
+    np.testing.assert_allclose(model(torch.from_numpy(tokens)).logits.numpy(),
+                               made['base'](torch.from_numpy(tokens)).logits.numpy(), atol=1e-5)
+
+
 def test_equal_experts_compute_the_dense_model(tmp_path, models):
   root, made = models
   experts = [{'source_model': str(root / 'base')}] * 3
@@ -166,7 +199,9 @@ def test_equal_experts_compute_the_dense_model(tmp_path, models):
 @pytest.mark.parametrize('changes,message', [
     (dict(experts_per_token=3), 'experts_per_token = 3 but only 2 experts'),
     (dict(shared_experts=[{'source_model': 'x'}]), 'shared_experts make a Qwen2-MoE'),
-    (dict(architecture='qwen'), "architecture = 'qwen': editmerge writes Mixtral only"),
+    (dict(architecture='qwen'), "architecture = 'qwen': editmerge writes Mixtral or Qwen3 MoE"),
+    (dict(architecture='Qwen3 MoE'), 'is a llama; a mixtral is upscaled from llama or mistral '
+                                     'models; a qwen3_moe is upscaled from qwen3 models'),
     (dict(gate_mode='learned'), "gate_mode = 'learned'; choose one of"),
     ('empty prompts', r'experts\[1\].positive_prompts is empty'),
     ('same prompts', 'every expert has the same prompts'),

@@ -71,11 +71,9 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
                   'copy'))
   if config.num_experts:
     # The names transformers 5 saves and older ones wrote (its loader fuses the experts).
-    moe = layer + 'block_sparse_moe.'
-    table.append(('blocks_{i}/mlp/router/kernel', moe + 'gate.weight', 'linear'))
-    table += [(f'blocks_{{i}}/mlp/experts_{e}/{ours}/kernel', f'{moe}experts.{e}.{theirs}.weight',
-               'linear') for e in range(config.num_experts)
-              for ours, theirs in EXPERT_WEIGHTS]
+    table.append(('blocks_{i}/mlp/router/kernel', router_name(config, '{i}'), 'linear'))
+    table += [(f'blocks_{{i}}/mlp/experts_{e}/{ours}/kernel', expert_name(config, '{i}', e, ours),
+               'linear') for e in range(config.num_experts) for ours, _ in EXPERT_WEIGHTS]
   else:
     for name in ('gate', 'up', 'down'):
       table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight',
@@ -85,6 +83,21 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
   if not config.tie_embeddings:
     table.append(('lm_head/kernel', TIED_HEAD, 'linear'))
   return keymap.expand(table, config.num_layers)
+
+
+def router_name(config: DecoderConfig, layer) -> str:
+  """The HF name of layer `layer`'s router weight (Mixtral's or Qwen3-MoE's)."""
+  moe = 'block_sparse_moe' if config.model_type == 'mixtral' else 'mlp'
+  return f'model.layers.{layer}.{moe}.gate.weight'
+
+
+def expert_name(config: DecoderConfig, layer, expert: int, leaf: str) -> str:
+  """The HF name of expert `expert`'s `leaf` ('gate', 'up' or 'down') weight in layer
+  `layer`: Mixtral's w1, w3, w2, or Qwen3-MoE's gate_proj, up_proj, down_proj."""
+  if config.model_type == 'mixtral':
+    return f'model.layers.{layer}.block_sparse_moe.experts.{expert}.' \
+           f'{dict(EXPERT_WEIGHTS)[leaf]}.weight'
+  return f'model.layers.{layer}.mlp.experts.{expert}.{leaf}_proj.weight'
 
 
 def param_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""One decoder-only language model for Llama, Mistral, Mixtral, Qwen2/3 and Gemma 2/3.
+"""One decoder-only language model for Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE and
+Gemma 2/3.
 
 API:
   config = DecoderConfig.from_hf(config_json)   # config.json's dict (editing.models.
@@ -161,23 +162,26 @@ class Attention(_OfLayer):
 
 
 class Mlp(nn.Module):
-  """down(act(gate(x)) ⊙ up(x))."""
+  """down(act(gate(x)) ⊙ up(x)), of intermediate width `width` (default the config's)."""
 
   config: DecoderConfig
   dtype: Dtype = jnp.float32
+  width: int | None = None
 
   @nn.compact
   def __call__(self, x):
     c = self.config
     dense = lambda width, name: nn.Dense(width, use_bias=c.mlp_bias, dtype=self.dtype,
                                          name=name)
-    gate = ACTIVATIONS[c.activation](dense(c.intermediate_size, 'gate')(x))
-    return dense(c.hidden_size, 'down')(gate * dense(c.intermediate_size, 'up')(x))
+    width = self.width or c.intermediate_size
+    gate = ACTIVATIONS[c.activation](dense(width, 'gate')(x))
+    return dense(c.hidden_size, 'down')(gate * dense(width, 'up')(x))
 
 
 class Experts(nn.Module):
-  """Mixtral's mixture of gated MLPs: p = softmax(x Wr), the top k experts by p weighted by p
-  renormalised over them, Σ_{e ∈ top k} p_e / Σ_{top k} p · mlp_e(x).
+  """A mixture of gated MLPs (Mixtral, Qwen3-MoE): p = softmax(x Wr), the top k experts by p
+  weighted by p renormalised over them, Σ_{e ∈ top k} p_e / Σ_{top k} p · mlp_e(x) (Qwen3-MoE
+  renormalises only with norm_topk_prob, else weighs by p_e itself).
 
   Every expert runs on every token and the unchosen ones are weighted by 0: the same function
   as routing tokens to their experts, and one dense program whatever the routing."""
@@ -190,10 +194,11 @@ class Experts(nn.Module):
     c = self.config
     logits = nn.Dense(c.num_experts, use_bias=False, dtype=self.dtype, name='router')(x)
     top, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32)), c.experts_per_token)
-    weights = jnp.sum(jax.nn.one_hot(chosen, c.num_experts) *
-                      (top / top.sum(-1, keepdims=True))[..., None], axis=-2)
-    return sum(weights[..., e, None].astype(self.dtype) * Mlp(c, self.dtype,
-                                                              name=f'experts_{e}')(x)
+    if c.normalize_top_k:
+      top = top / top.sum(-1, keepdims=True)
+    weights = jnp.sum(jax.nn.one_hot(chosen, c.num_experts) * top[..., None], axis=-2)
+    return sum(weights[..., e, None].astype(self.dtype) *
+               Mlp(c, self.dtype, c.expert_size or None, name=f'experts_{e}')(x)
                for e in range(c.num_experts))
 
 

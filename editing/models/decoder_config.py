@@ -15,6 +15,8 @@ differ by switches, not by classes (`FAMILIES`):
   Mixtral        Mistral's layers with a mixture of experts for the MLP: each token takes the
                  top num_experts_per_tok of num_local_experts gated MLPs by a linear router's
                  softmax, weighted by their renormalised probabilities
+  Qwen3-MoE      Qwen3's layers with Mixtral's mixture (num_experts of width
+                 moe_intermediate_size), the probabilities renormalised only with norm_topk_prob
 
 RoPE (`Rope`) is the default one (θ^(-2i/d)), linear scaling (÷ factor), or Llama 3's
 banded rescaling; Gemma 3's local layers use their own θ (`local_rope`). `to_hf()` writes a
@@ -61,6 +63,8 @@ _COMMON = set(_REQUIRED) | {'model_type', 'architectures', 'num_key_value_heads'
                             'rope_theta', 'rope_scaling', 'rope_parameters',
                             'rope_interleaved'}
 _QWEN_WINDOWS = {'use_sliding_window', 'sliding_window', 'max_window_layers', 'layer_types'}
+_QWEN_MOE = {'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
+             'decoder_sparse_step', 'mlp_only_layers'}
 _GEMMA = {'hidden_activation', 'hidden_act', 'attention_bias', 'query_pre_attn_scalar',
           'sliding_window', 'layer_types', 'attn_logit_softcapping', 'final_logit_softcapping',
           'use_bidirectional_attention'}
@@ -101,6 +105,11 @@ FAMILIES = {
                      max_position_embeddings=32768, max_window_layers=28),
     'qwen3': _family('Qwen3ForCausalLM', {'hidden_act', 'attention_bias'} | _QWEN_WINDOWS,
                      qk_norm=True, max_position_embeddings=32768, max_window_layers=28),
+    'qwen3_moe': _family('Qwen3MoeForCausalLM', {'hidden_act', 'attention_bias'} | _QWEN_WINDOWS |
+                         _QWEN_MOE, qk_norm=True, moe=True, max_position_embeddings=32768,
+                         max_window_layers=28, num_local_experts=128, num_experts_per_tok=8,
+                         moe_intermediate_size=768, norm_topk_prob=False,
+                         decoder_sparse_step=1, mlp_only_layers=[]),
     'gemma2': _family('Gemma2ForCausalLM', _GEMMA, gemma=True, max_position_embeddings=8192,
                       hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=256,
                       sliding_window=4096, attn_logit_softcapping=50.0,
@@ -230,6 +239,8 @@ class DecoderConfig:
   final_logit_softcapping: float | None = None
   num_experts: int = 0  # 0: one dense MLP per layer
   experts_per_token: int = 0
+  expert_size: int = 0  # each expert's intermediate width; 0: intermediate_size
+  normalize_top_k: bool = True  # the chosen experts' probabilities renormalised to sum to 1
 
   @property
   def family(self) -> Family:
@@ -304,9 +315,37 @@ class DecoderConfig:
                 'attn_logit_softcapping': self.attn_logit_softcapping,
                 'final_logit_softcapping': self.final_logit_softcapping,
                 'num_local_experts': self.num_experts,
-                'num_experts_per_tok': self.experts_per_token}
+                'num_experts_per_tok': self.experts_per_token,
+                'moe_intermediate_size': self.expert_size, 'norm_topk_prob': self.normalize_top_k,
+                'decoder_sparse_step': 1, 'mlp_only_layers': []}
     out.update({k: v for k, v in optional.items() if k in fields})
     return out
+
+
+def _experts(cfg: Mapping, given: Mapping, name: str) -> dict:
+  """The mixture's fields of a Mixtral or Qwen3-MoE config.json; a mixture that leaves some
+  layers dense (decoder_sparse_step, mlp_only_layers) is refused by name."""
+  # Qwen3-MoE's count is num_experts in its released config.json files and num_local_experts
+  # in what transformers 5 writes.
+  count_key = 'num_experts' if name != 'mixtral' and 'num_experts' in given else \
+      'num_local_experts'
+  if 'num_experts' in given and 'num_local_experts' in given and \
+      given['num_experts'] != given['num_local_experts']:
+    raise UserError(f'config.json: num_experts = {given["num_experts"]} and num_local_experts = '
+                    f'{given["num_local_experts"]} differ')
+  experts = dict(num_experts=_positive_int(cfg, count_key),
+                 experts_per_token=_positive_int(cfg, 'num_experts_per_tok'))
+  if experts['experts_per_token'] > experts['num_experts']:
+    raise UserError(f'config.json: num_experts_per_tok = {experts["experts_per_token"]} exceeds '
+                    f'{count_key} = {experts["num_experts"]}')
+  if name == 'qwen3_moe':
+    if cfg['decoder_sparse_step'] != 1 or cfg['mlp_only_layers']:
+      raise UserError(f'config.json: decoder_sparse_step = {cfg["decoder_sparse_step"]}, '
+                      f'mlp_only_layers = {cfg["mlp_only_layers"]}: layers with a dense MLP '
+                      'among the mixtures are not supported')
+    experts.update(expert_size=_positive_int(cfg, 'moe_intermediate_size'),
+                   normalize_top_k=bool(cfg['norm_topk_prob']))
+  return experts
 
 
 def _first_sliding(layer_types) -> int:
@@ -374,16 +413,12 @@ def _build(cfg: dict, given: Mapping, family: Family) -> DecoderConfig:
     raise UserError('config.json: use_bidirectional_attention = true is an encoder, not a '
                     'causal decoder')
   window = cfg.get('sliding_window')
-  if name in ('qwen2', 'qwen3') and not cfg.get('use_sliding_window'):
+  if name in ('qwen2', 'qwen3', 'qwen3_moe') and not cfg.get('use_sliding_window'):
     window = None
   if window is not None:
     window = _positive_int(cfg, 'sliding_window')
   rope, local_rope = _ropes(given, family, name == 'gemma3_text')
-  experts = dict(num_experts=_positive_int(cfg, 'num_local_experts'),
-                 experts_per_token=_positive_int(cfg, 'num_experts_per_tok')) if family.moe else {}
-  if experts and experts['experts_per_token'] > experts['num_experts']:
-    raise UserError(f'config.json: num_experts_per_tok = {experts["experts_per_token"]} exceeds '
-                    f'num_local_experts = {experts["num_experts"]}')
+  experts = _experts(cfg, given, name) if family.moe else {}
   return DecoderConfig(
       model_type=name, vocab_size=sizes['vocab_size'], hidden_size=sizes['hidden_size'],
       intermediate_size=sizes['intermediate_size'], num_layers=sizes['num_hidden_layers'],

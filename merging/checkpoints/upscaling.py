@@ -1,9 +1,11 @@
-"""MoE upscaling: dense Llama or Mistral checkpoints made into one Mixtral, as mergekit-moe
-makes it (its YAML read by `merging.mergekit.moe`).
+"""MoE upscaling: dense Llama or Mistral checkpoints made into one Mixtral, or Qwen3 ones into
+a Qwen3-MoE, as mergekit-moe makes them (its YAML read by `merging.mergekit.moe`).
 
 The base donates every tensor but the MLPs: embeddings, attention, norms, the head. Expert e
-of every layer is source model e's MLP (gate_proj → w1, up_proj → w3, down_proj → w2), with
-N(0, noise_scale²) added and w2 scaled by residual_scale where the expert asks. The router of
+of every layer is source model e's MLP (Mixtral: gate_proj → w1, up_proj → w3, down_proj → w2;
+Qwen3-MoE keeps the names), with N(0, noise_scale²) added and the down projection scaled by
+residual_scale where the expert asks. A Qwen3-MoE renormalises its top-k probabilities
+(norm_topk_prob) and its experts are the base's width, as mergekit-moe writes it. The router of
 layer i, a (experts, hidden) matrix W_i, is set by the gate mode [mergekit moe/router.py]:
 
   hidden, hidden_last   v_e = mean over e's positive prompts of the residual stream entering
@@ -25,8 +27,7 @@ Each prompt is BOS + its text. Where this differs from mergekit-moe, by choice:
 Every tensor of every input is used, or the job refuses before writing: the base must hold
 exactly a dense decoder's tensors, and each expert the base's architecture and MLP shapes.
 The output goes through the one lifecycle of every checkpoint writer (`output`), with the
-base's tokenizer files and a Mixtral config.json that transformers and `editing.models`
-read.
+base's tokenizer files and a config.json that transformers and `editing.models` read.
 """
 
 import os
@@ -47,19 +48,26 @@ from merging.checkpoints import plan as plan_lib
 from merging.mergekit import moe as moe_lib
 from third_party import hf_decoder
 
-_DENSE = ('llama', 'mistral')
+# The dense model_types each output takes (mergekit-moe's choice of output by its inputs).
+OUTPUTS = {'mixtral': ('llama', 'mistral'), 'qwen3_moe': ('qwen3',)}
 
 
 def run(recipe: moe_lib.MoeRecipe, output: str, *, overwrite: bool = False, seed: int = 0,
         shard_bytes: int = 2 * 1024**3) -> dict:
-  """Writes the Mixtral `recipe` describes to the Hugging Face directory `output`; returns a
+  """Writes the MoE `recipe` describes to the Hugging Face directory `output`; returns a
   summary."""
   base = hf.Checkpoint(recipe.base_model)
   dense = _dense_config(base, 'base_model')
+  architecture = recipe.architecture or next(
+      (a for a, inputs in OUTPUTS.items() if dense.model_type in inputs), None)
+  if architecture is None or dense.model_type not in OUTPUTS[architecture]:
+    raise UserError(f'base_model = {base.path} is a {dense.model_type}; '
+                    + '; '.join(f'a {a} is upscaled from {" or ".join(inputs)} models'
+                                for a, inputs in OUTPUTS.items()))
   sources = [hf.Checkpoint(e.source_model) for e in recipe.experts]
   for k, source in enumerate(sources):
     _check_expert(_dense_config(source, f'experts[{k}].source_model'), dense, k, source.path)
-  config_json = mixtral_config(base.config, len(sources), recipe.experts_per_token)
+  config_json = moe_config(base.config, architecture, len(sources), recipe.experts_per_token)
   moe = DecoderConfig.from_hf(config_json)
   _check_tensors(base, dense, 'base_model')
   output_lib.checked_path(output, [base.path, *(s.path for s in sources)])
@@ -99,20 +107,26 @@ def run(recipe: moe_lib.MoeRecipe, output: str, *, overwrite: bool = False, seed
 def _card(recipe: moe_lib.MoeRecipe) -> str:
   """The output's model card: the upscaling and its recipe, in Markdown."""
   experts = '\n'.join(f'  - `{e.source_model}`' for e in recipe.experts)
-  return (f'# Upscaled model\n\nA Mixtral of {len(recipe.experts)} experts, '
+  return (f'# Upscaled model\n\nA mixture of {len(recipe.experts)} experts, '
           f'{recipe.experts_per_token} per token, routers by gate mode `{recipe.gate_mode}` '
           f'(`python -m launch.merge_checkpoints --config.mergekit_moe`, editmerge).\n\n'
           f'- base: `{recipe.base_model}`\n- experts:\n{experts}\n\n'
           f'## Recipe (mergekit-moe YAML)\n\n```yaml\n{recipe.text.rstrip()}\n```\n')
 
 
-def mixtral_config(base_json: dict, experts: int, per_token: int) -> dict:
-  """The base's config.json as a Mixtral's: its fields, the experts', no sliding window."""
+def moe_config(base_json: dict, architecture: str, experts: int, per_token: int) -> dict:
+  """The base's config.json as a Mixtral's (its fields, the experts', no sliding window) or a
+  Qwen3-MoE's (its fields, the experts' of the base's width, renormalised top-k)."""
   config = {k: v for k, v in base_json.items()
             if k not in ('attention_bias', 'mlp_bias', 'pretraining_tp', 'is_llama_config')}
-  return {**config, 'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
-          'num_local_experts': experts, 'num_experts_per_tok': per_token,
-          'sliding_window': None}
+  if architecture == 'mixtral':
+    return {**config, 'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
+            'num_local_experts': experts, 'num_experts_per_tok': per_token,
+            'sliding_window': None}
+  return {**config, 'model_type': 'qwen3_moe', 'architectures': ['Qwen3MoeForCausalLM'],
+          'num_experts': experts, 'num_experts_per_tok': per_token, 'decoder_sparse_step': 1,
+          'norm_topk_prob': True, 'mlp_only_layers': [],
+          'moe_intermediate_size': base_json['intermediate_size']}
 
 
 def gate_weights(recipe: moe_lib.MoeRecipe, base: hf.Checkpoint, dense: DecoderConfig,
@@ -172,14 +186,16 @@ def _unit(v: np.ndarray) -> np.ndarray:
 
 
 def _dense_config(ckpt: hf.Checkpoint, key: str) -> DecoderConfig:
-  """The config of a dense Llama or Mistral checkpoint, the only ones Mixtral's layers take."""
+  """The config of a dense Llama, Mistral or Qwen3 checkpoint without biases, the ones the
+  MoE outputs' layers take."""
   if not ckpt.config:
     raise UserError(f'{key} = {ckpt.path} has no config.json')
   config = DecoderConfig.from_hf(ckpt.config)
-  if config.model_type not in _DENSE or config.attention_bias or config.mlp_bias:
+  dense = [t for inputs in OUTPUTS.values() for t in inputs]
+  if config.model_type not in dense or config.attention_bias or config.mlp_bias:
     raise UserError(f'{key} = {ckpt.path} is a {config.model_type}'
                     f'{" with biases" if config.attention_bias or config.mlp_bias else ""}; '
-                    'Mixtral experts are upscaled from Llama or Mistral models without biases')
+                    f'experts are upscaled from {", ".join(dense)} models without biases')
   return config
 
 
@@ -202,7 +218,7 @@ def _check_tensors(ckpt: hf.Checkpoint, config: DecoderConfig, key: str) -> None
   unknown, missing = sorted(given - expected), sorted(expected - given)
   if unknown or missing:
     raise UserError(f'{key} = {ckpt.path}: ' + '; '.join(
-        [f'unexpected {n} (no Mixtral tensor takes it)' for n in unknown[:3]] +
+        [f'unexpected {n} (no tensor of the MoE takes it)' for n in unknown[:3]] +
         [f'missing {n}' for n in missing[:3]]))
 
 
@@ -211,25 +227,28 @@ def _tensor_plan(base: hf.Checkpoint, sources: list, recipe: moe_lib.MoeRecipe,
   """{output name: (shape, stored dtype, make)}: make(reader_of) gives the tensor (flat) from
   the reader `reader_of(checkpoint)` returns, when it is written."""
   plan = {}
+  mixture = {hf_decoder.router_name(moe, i) for i in range(moe.num_layers)} | {
+      hf_decoder.expert_name(moe, i, e, leaf) for i in range(moe.num_layers)
+      for e in range(moe.num_experts) for leaf, _ in hf_decoder.EXPERT_WEIGHTS}
   for _, theirs, _ in hf_decoder.rules(moe):
-    if '.block_sparse_moe.' not in theirs:
+    if theirs not in mixture:
       shape, dtype = base.header(theirs)
       plan[theirs] = (shape, dtype, lambda of, n=theirs: of(base).tensor(n).reshape(-1))
   for i in range(moe.num_layers):
-    name = f'model.layers.{i}.block_sparse_moe.gate.weight'
+    name = hf_decoder.router_name(moe, i)
     plan[name] = (gates[i].shape, base.header(f'model.layers.{i}.self_attn.q_proj.weight')[1],
                   lambda of, g=gates[i]: g.reshape(-1))
     for e, (expert, source) in enumerate(zip(recipe.experts, sources)):
-      for leaf, moe_name in hf_decoder.EXPERT_WEIGHTS:
+      for leaf, _ in hf_decoder.EXPERT_WEIGHTS:
         theirs = f'model.layers.{i}.mlp.{leaf}_proj.weight'
-        out = f'model.layers.{i}.block_sparse_moe.experts.{e}.{moe_name}.weight'
+        out = hf_decoder.expert_name(moe, i, e, leaf)
         shape, dtype = source.header(theirs)
-        plan[out] = (shape, dtype, lambda of, s=source, n=theirs, x=expert, o=out:
-                     _expert_tensor(of(s).tensor(n), x, o, seed))
+        plan[out] = (shape, dtype, lambda of, s=source, n=theirs, x=expert, o=out, d=leaf:
+                     _expert_tensor(of(s).tensor(n), x, o, d == 'down', seed))
   return plan
 
 
-def _expert_tensor(tensor: np.ndarray, expert: moe_lib.Expert, name: str,
+def _expert_tensor(tensor: np.ndarray, expert: moe_lib.Expert, name: str, down: bool,
                    seed: int) -> np.ndarray:
   """An expert's MLP tensor with its noise (drawn from the seed and the output tensor's name)
   and, for the down projection, its residual scale; flat."""
@@ -237,6 +256,6 @@ def _expert_tensor(tensor: np.ndarray, expert: moe_lib.Expert, name: str,
   if expert.noise_scale is not None:
     rng = np.random.default_rng([seed, *name.encode()])
     x = x + expert.noise_scale * rng.standard_normal(x.shape, dtype=np.float32)
-  if name.endswith('.w2.weight') and expert.residual_scale is not None:
+  if down and expert.residual_scale is not None:
     x = x * np.float32(expert.residual_scale)
   return x.reshape(-1)

@@ -12,14 +12,15 @@
       noise_scale: 0.01                    # optional: + N(0, s²) on its MLP weights
       residual_scale: 0.5                  # optional: × s on its down projection
 
-The output is a Mixtral (mergekit's default architecture), written by
-`merging.checkpoints.upscaling`. Refused by name, as mergekit refuses them: fewer experts than
+The output is a Mixtral from Llama or Mistral models, or a Qwen3-MoE from Qwen3 models, as
+mergekit-moe chooses by the inputs (`architecture: Mixtral` or `Qwen3 MoE`, mergekit's names,
+may say which), written by `merging.checkpoints.upscaling`. Refused by name, as mergekit refuses them: fewer experts than
 experts_per_token, an expert without positive prompts in a prompted gate mode, the same
 prompts for every expert, and, where the routers are set from prompts, the same source model
 for every expert (mergekit's --i-understand-this-is-not-useful-without-training has no
 counterpart: such a model is one MLP repeated). Refused here, since editmerge writes no other
 MoE architecture: shared_experts (Qwen2-MoE, DeepSeek-MoE) and an `architecture` other than
-Mixtral.
+those two.
 """
 
 import dataclasses
@@ -28,6 +29,8 @@ from editing.errors import UserError
 from merging.checkpoints.plan import OUTPUT_DTYPES
 from merging.mergekit import reader
 
+# mergekit-moe's output architectures that editmerge writes, by their names without spaces.
+ARCHITECTURES = {'mixtral': 'mixtral', 'qwen3moe': 'qwen3_moe'}
 GATE_MODES = ('hidden', 'hidden_avg', 'hidden_last', 'cheap_embed', 'random', 'uniform_random')
 UNPROMPTED = ('random', 'uniform_random')
 _TOP_KEYS = ('base_model', 'experts', 'gate_mode', 'dtype', 'experts_per_token',
@@ -56,6 +59,7 @@ class MoeRecipe:
   gate_mode: str = 'hidden'
   dtype: str | None = None
   experts_per_token: int = 2
+  architecture: str | None = None  # 'mixtral' or 'qwen3_moe' where the YAML names one
   text: str = ''  # the YAML as written, for the output's card
 
 
@@ -64,10 +68,13 @@ def read(path: str) -> MoeRecipe:
   doc, text = reader.load_yaml(path, _TOP_KEYS)
   if doc.get('shared_experts'):
     raise UserError(f'{path}: shared_experts make a Qwen2-MoE or DeepSeek-MoE model, and '
-                    'editmerge writes Mixtral only; remove them')
+                    'editmerge writes Mixtral and Qwen3-MoE only; remove them')
   architecture = doc.get('architecture')
-  if architecture is not None and not 'mixtral'.startswith(str(architecture).lower()):
-    raise UserError(f'{path}: architecture = {architecture!r}: editmerge writes Mixtral only')
+  if architecture is not None:
+    architecture = ARCHITECTURES.get(str(architecture).lower().replace(' ', '').replace('-', ''))
+    if architecture is None:
+      raise UserError(f'{path}: architecture = {doc["architecture"]!r}: editmerge writes '
+                      'Mixtral or Qwen3 MoE')
   gate_mode = doc.get('gate_mode', 'hidden')
   if gate_mode not in GATE_MODES:
     raise UserError(f'{path}: gate_mode = {gate_mode!r}; choose one of {", ".join(GATE_MODES)}')
@@ -93,7 +100,8 @@ def read(path: str) -> MoeRecipe:
   dtype = doc.get('dtype')
   if dtype is not None and dtype not in OUTPUT_DTYPES:
     raise UserError(f'{path}: dtype = {dtype!r}; choose one of {", ".join(OUTPUT_DTYPES)}')
-  return MoeRecipe(doc['base_model'], experts, gate_mode, dtype, per_token, text)
+  return MoeRecipe(doc['base_model'], experts, gate_mode, dtype, per_token, architecture,
+                   text)
 
 
 def _expert(entry, k: int, path: str, gate_mode: str) -> Expert:
