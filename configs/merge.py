@@ -49,7 +49,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.merge = settings.defaults(merge_job.MERGE)
   config.merge.methods = ('averaging,task_arithmetic,ties,dare,breadcrumbs,consensus,magmax,'
                           'tsv_m,iso_c,iso_cts,wudi,model_stock,cart,fisher,regmean,'
-                          'regmean_plusplus,adamerging_task,adamerging_layer,dam,tall_masks,emr')
+                          'regmean_plusplus,adamerging_task,adamerging_layer,dam,tall_masks,emr,'
+                          'dataless_localize_stitch,localize_stitch')
 
   if words & {'text', 'smollm2'}:
     # DAM perturbs pixels; tokens have no such space.
@@ -80,4 +81,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.adamerging_task.steps = 3
     config.adamerging_layer.steps = 3
     config.dam.update(steps=2, refit_steps=2)
+    config.localize_stitch.epochs = 2
   return config

@@ -45,6 +45,7 @@ from merging import iso_c
 from merging import iso_cts
 from merging import karcher
 from merging import knots
+from merging import localize_stitch
 from merging import lorm
 from merging import magmax
 from merging import model_stock
@@ -114,6 +115,10 @@ class Method:
   # task's inputs: the task's identity is needed at inference, and a checkpoint merge, which
   # writes one model, does not run it.
   per_task: bool = False
+  # How a checkpoint merge of decoders runs it a layer at a time on calibration text
+  # (merging/checkpoints/calibrated.py), where it can: each model's stream goes on through its
+  # own layer ('own', RegMean) or through the merged one ('merged', RegMean++).
+  streams: str | None = None
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -173,6 +178,10 @@ REGISTRY: dict[str, Method] = {
     'tall_masks': Method(tall_masks.merge, scaled=False, per_task=True),
     'emr': Method(emr.merge, scaled=False, per_task=True),
     'magmax': Method(magmax.merge),
+    # Localize-and-Stitch: each vector on its own small region, overlaps averaged.
+    'dataless_localize_stitch': Method(localize_stitch.merge_dataless, scaled=False,
+                                       sparsity=localize_stitch.dataless_sparsity),
+    'localize_stitch': Method(localize_stitch.merge, reads=('theta0', 'data'), scaled=False),
     # The SVD-era merges: each matrix is decomposed whole.
     'tsv_m': Method(tsv_m.merge, whole_tensor=True, elementwise=False,
                      lambda_max=3.0),
@@ -229,9 +238,9 @@ REGISTRY: dict[str, Method] = {
                    refused_regimes=regimes.TANGENT, **_LOW_RANK),
     'fisher': Method(fisher.merge, reads=('theta0', 'data'), scaled=False),
     'regmean': Method(regmean.merge, reads=('theta0', 'apply_fn', 'data'), scaled=False,
-                      refused_regimes=regimes.TANGENT),
+                      refused_regimes=regimes.TANGENT, streams='own'),
     'regmean_plusplus': Method(regmean_plusplus.merge, reads=('theta0', 'apply_fn', 'data'),
-                               scaled=False, refused_regimes=regimes.TANGENT),
+                               scaled=False, refused_regimes=regimes.TANGENT, streams='merged'),
     'adamerging_task': Method(functools.partial(adamerging.merge, granularity='task'),
                               **_LEARNED),
     'adamerging_layer': Method(functools.partial(adamerging.merge, granularity='layer'),

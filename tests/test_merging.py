@@ -156,6 +156,9 @@ def single_vector_output(name, vector):
   if name == 'ties':  # the disjoint mean of one vector is its trimmed self (k = 20%, global)
     keep = references.keep_largest(tau, 0.2, 'global')
     return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
+  if name == 'dataless_localize_stitch':  # its region, the top 10% of |τ| (global), alone
+    keep = references.keep_largest(tau, 0.1, 'global')
+    return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
   if name == 'breadcrumbs':  # per leaf, all but the top 1% and the bottom 89% of |τ|
     keep = references.keep_band(tau, 0.01, 0.89)
     return {p: np.where(keep[p], t, 0) for p, t in tau.items()}
@@ -218,6 +221,13 @@ def test_one_task_vector_in_gives_the_documented_output(name):
       np.testing.assert_array_equal(merged[path][kept[path]], value[kept[path]], err_msg=path)
     share = np.mean(np.concatenate([k.ravel() for k in kept.values()]))
     assert 0 < share < 1, share
+    return
+  if name == 'localize_stitch':
+    # One task's learned region, stitched alone (its steps against numpy:
+    # tests/test_localize_stitch.py): each entry is τ's or zero.
+    for path, value in tau.items():
+      kept = merged[path] != 0
+      np.testing.assert_array_equal(merged[path][kept], value[kept], err_msg=path)
     return
   if name == 'dare':
     # Its draws are jax's, not reproducible in numpy: every entry is dropped (0) or kept and

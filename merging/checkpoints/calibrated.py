@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import merging
 from editing import scoring
 from editing import settings
 from editing import tree as tree_lib
@@ -43,7 +44,8 @@ from editing.models.tokenizer import Tokenizer
 from merging import regmean
 from third_party import hf_decoder
 
-METHODS = ('regmean', 'regmean_plusplus')
+# The methods that declare how their streams move (`merging.Method.streams`).
+METHODS = tuple(name for name, method in merging.REGISTRY.items() if method.streams)
 
 # config.calibration of a checkpoint merge (configs/merge_checkpoints.py).
 SETTINGS = dict(
@@ -146,7 +148,7 @@ class LayerMerge:
       raise ValueError(f'{method} is not a calibrated merge')
     self.config = DecoderConfig.from_hf(base.config)
     self._base, self._models = base, list(models)
-    self._plusplus = method == 'regmean_plusplus'
+    self._plusplus = merging.get(method).streams == 'merged'
     self._alpha, self._batch = values['alpha'], values['batch_size']
     self._scale, self._data = scale, data
     rules = hf_decoder.rules(self.config)
