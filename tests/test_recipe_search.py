@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from configs import recipe_search as recipe_search_config
+from editing import checkpoint
+from editing import evaluate
 from editing import train
+from editing.jobs import experiment
 from editing.errors import UserError
 from editing.jobs import recipe_records
 from editing.jobs import recipe_report
@@ -32,6 +35,9 @@ def test_ties_go_to_fewer_steps_then_the_smaller_rate():
   assert recipe_search.choose(points) == points[2]
   points.append({'learning_rate': 1e-2, 'steps': 300, 'mean_val': 0.95})
   assert recipe_search.choose(points) == points[-1]
+  for p, addition in zip(points, (0.5, 0.7, 0.7, 0.6, 0.4)):
+    p['addition_val'] = addition
+  assert recipe_search.choose(points, 'addition') == points[2]
 
 
 def searched(scores):
@@ -88,7 +94,23 @@ def test_the_search_chooses_on_validation_places_the_choice_and_resumes(tmp_path
   expected = min((p for p in points if p['mean_val'] == best),
                  key=lambda p: (p['steps'], p['learning_rate']))
   chosen = result['search']['full']['chosen']
-  assert chosen == expected
+  assert chosen == expected == result['search']['full']['choices']['single_task']
+  # Task addition's validation score of each point, by the evaluation protocol's own curve.
+  exp = experiment.Experiment.load(config, workdir)
+  evaluator = exp.evaluator('full')
+  for p in points:
+    vectors = [checkpoint.load_task_vector(os.path.join(
+        workdir, 'recipe_search', 'full', f'lr{p["learning_rate"]:g}_steps6', t,
+        workdir_lib.TASK_VECTOR))[0] for t in ('colour', 'size')]
+    curve = evaluate.task_addition(
+        evaluator, exp.theta0, vectors[0] + vectors[1], heads=exp.heads(),
+        val={t: exp.task(t).val for t in exp.tasks}, test={t: exp.task(t).test for t in exp.tasks},
+        finetuned={t: {'val': p['val'][t], 'test': 1.0} for t in exp.tasks},
+        alphas=evaluate.alpha_grid(config.eval.alpha_step))['curve']
+    best = max(curve, key=lambda c: c['normalized_val'])
+    assert p['addition_val'] == pytest.approx(best['normalized_val'])
+  assert result['search']['full']['choices']['addition'] == max(
+      points, key=lambda p: (p['addition_val'], -p['steps'], -p['learning_rate']))
   for task in ('colour', 'size'):
     placed = workdir_lib.task_vector_file(workdir, 'full', task)
     source = os.path.join(workdir, 'recipe_search', 'full',
@@ -221,7 +243,7 @@ def test_a_widened_grid_s_new_choice_replaces_the_placed_one(tmp_path, monkeypat
   config.sweep.finetune.update(learning_rate=(1e-3,), seed=(0,))
   recipe_search.run(config, workdir)
   # The choice on validation is the test above's; here the newest point is made to win.
-  monkeypatch.setattr(recipe_search, 'choose', lambda scored: scored[-1])
+  monkeypatch.setattr(recipe_search, 'choose', lambda scored, by='single_task': scored[-1])
   config.sweep.finetune.learning_rate = (1e-3, 3e-3)
   result = recipe_search.run(config, workdir)
   assert result['search']['full']['chosen']['learning_rate'] == 3e-3

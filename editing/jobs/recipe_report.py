@@ -154,15 +154,19 @@ def at_edge(result: dict) -> list[str]:
 
 
 def table(search: dict) -> str:
-  """Every point's mean validation accuracy per regime, the chosen one marked (and where its
-  settings are on the grid's edge)."""
-  lines = [f'{"regime":>15} {"lr":>8} {"steps":>6} {"mean val":>9}']
+  """Every point's mean validation accuracy per regime (and its addition's, normalized, where
+  recorded), the chosen one marked (and where its settings are on the grid's edge), and the
+  point the other criterion would choose."""
+  lines = [f'{"regime":>15} {"lr":>8} {"steps":>6} {"mean val":>9} {"addition val":>13}']
   for regime, result in search.items():
     edges = at_edge(result)
+    others = {by: p for by, p in result.get('choices', {}).items() if p != result['chosen']}
     for p in result['points']:
       mark = ''
       if p == result['chosen']:
         mark = '  <- chosen' + (f' ({" and ".join(edges)} on the grid\'s edge)' if edges else '')
+      mark += ''.join(f'  <- by {by}' for by, other in others.items() if p == other)
+      addition = f'{100 * p["addition_val"]:13.1f}' if 'addition_val' in p else f'{"":>13}'
       lines.append(f'{regime:>15} {p["learning_rate"]:8.0e} {p["steps"]:6d} '
-                   f'{100 * p["mean_val"]:9.1f}{mark}')
+                   f'{100 * p["mean_val"]:9.1f} {addition}{mark}')
   return '\n'.join(lines)

@@ -39,6 +39,7 @@ import numpy as np
 from absl import logging
 
 from editing import atomic
+from editing import evaluate as evaluate_lib
 from editing import regimes
 from editing import sweep
 from editing.errors import UserError
@@ -53,6 +54,8 @@ from editing.jobs import recipe_report
 from editing.jobs import workdir as workdir_lib
 
 LEARNING_RATE, STEPS, SEED = 'finetune.learning_rate', 'finetune.steps', 'finetune.seed'
+# config.recipe_search.select: the criterion that chooses a regime's recipe, by the point's key.
+SELECT = {'single_task': 'mean_val', 'addition': 'addition_val'}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -65,6 +68,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   regime's at every seed}.
   """
   checks.validate(config, quickstart.SECTIONS)
+  if config.recipe_search.get('select', 'single_task') not in SELECT:
+    raise UserError(f'config.recipe_search.select = {config.recipe_search.select!r}; choose '
+                    f'one of {sorted(SELECT)}')
   grid, seeds = points(config), seed_list(config)
   config = sweep.overridden(config, {SEED: seeds[0]})  # the search's own seed
   root = os.path.join(workdir, 'recipe_search')
@@ -107,19 +113,23 @@ def _search(config: ml_collections.ConfigDict, workdir: str, exp: experiment.Exp
   evaluator, scored = exp.evaluator(regime.name), []
   for learning_rate, steps in grid:
     point = sweep.overridden(config, {LEARNING_RATE: learning_rate, STEPS: steps})
-    val = {}
+    val, vectors = {}, []
     for task in exp.tasks:
       logging.info('recipe search, %s: lr %g, %d steps, %s', regime.name, learning_rate, steps,
                    task)
       directory = _point_dir(root, regime.name, learning_rate, steps, task)
       _reuse_mask(_point_dir(root, regime.name, *grid[0], task), directory)
       vector = finetune.run(point, workdir, task, regime, directory=directory)
+      vectors.append(vector)
       val[task] = evaluator.accuracy(exp.theta0, evaluator.edit(exp.theta0, vector, 1.0),
                                      exp.head(task), exp.task(task).val)
+    addition_val, alpha = _addition_val(config, exp, evaluator, vectors, val)
     scored.append({'learning_rate': learning_rate, 'steps': steps, 'val': val,
-                   'mean_val': float(np.mean(list(val.values())))})
-    search[regime.name] = {'points': scored, 'chosen': choose(scored),
-                           'complete': len(scored) == len(grid)}
+                   'mean_val': float(np.mean(list(val.values()))),
+                   'addition_val': addition_val, 'addition_alpha': alpha})
+    choices = {by: choose(scored, by) for by in SELECT}
+    search[regime.name] = {'points': scored, 'chosen': choices[config.recipe_search.select],
+                           'choices': choices, 'complete': len(scored) == len(grid)}
     atomic.write_json(os.path.join(root, 'results.json'), search)
   chosen = search[regime.name]['chosen']
   logging.info('recipe search, %s: lr %g and %d steps (mean validation accuracy %.3f)',
@@ -225,10 +235,27 @@ def _axes(config: ml_collections.ConfigDict) -> dict[str, tuple]:
   return axes
 
 
-def choose(scored: list[dict]) -> dict:
-  """The point of best mean validation accuracy; ties go to fewer steps, then the smaller
+def choose(scored: list[dict], by: str = 'single_task') -> dict:
+  """The point of best mean single-task validation accuracy, or (by 'addition') of best
+  normalized validation accuracy of task addition; ties go to fewer steps, then the smaller
   learning rate."""
-  return max(scored, key=lambda p: (p['mean_val'], -p['steps'], -p['learning_rate']))
+  key = SELECT[by]
+  return max(scored, key=lambda p: (p[key], -p['steps'], -p['learning_rate']))
+
+
+def _addition_val(config: ml_collections.ConfigDict, exp: experiment.Experiment, evaluator,
+                  vectors: list, single: dict) -> tuple[float, float]:
+  """(the best over α of the mean over tasks of θ0 + α·Σ τ_t's validation accuracy, each
+  normalized by the task's single-task validation accuracy `single`; that α), on
+  config.eval's α grid."""
+  total = sum(vectors[1:], vectors[0])
+  scored = {t: (exp.head(t), exp.task(t).val) for t in exp.tasks}
+  best = (-1.0, 0.0)
+  for alpha in evaluate_lib.alpha_grid(config.eval.alpha_step):
+    accuracy = evaluator.accuracies(exp.theta0, evaluator.edit(exp.theta0, total, alpha), scored)
+    normalized = float(np.mean([accuracy[t] / max(single[t], 1e-9) for t in exp.tasks]))
+    best = max(best, (normalized, alpha))
+  return best
 
 
 def _check_targets(config: ml_collections.ConfigDict, workdir: str,
