@@ -35,6 +35,9 @@ FAMILIES = {
     'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
     # Unnormalised routing weights, where Mixtral's are renormalised.
+    'qwen2_moe': (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40, norm_topk_prob=True)),
     'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        norm_topk_prob=False)),

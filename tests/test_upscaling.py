@@ -167,8 +167,9 @@ def test_qwen3_models_upscale_to_a_qwen3_moe_that_transformers_loads(tmp_path):
   for i in range(SIZES['num_hidden_layers']):
     for e, source in enumerate(sources):
       for leaf in ('gate', 'up', 'down'):
-        np.testing.assert_array_equal(written[f'model.layers.{i}.mlp.experts.{e}.{leaf}_proj.weight'],
-                                      source[f'model.layers.{i}.mlp.{leaf}_proj.weight'])
+        np.testing.assert_array_equal(
+            written[f'model.layers.{i}.mlp.experts.{e}.{leaf}_proj.weight'],
+            source[f'model.layers.{i}.mlp.{leaf}_proj.weight'])
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation='eager')
   assert type(model).__name__ == 'Qwen3MoeForCausalLM' and model.config.norm_topk_prob
   config, params = hf_decoder.load(out)
@@ -185,6 +186,33 @@ def test_qwen3_models_upscale_to_a_qwen3_moe_that_transformers_loads(tmp_path):
                                made['base'](torch.from_numpy(tokens)).logits.numpy(), atol=1e-5)
 
 
+def test_a_shared_expert_makes_a_qwen2_moe_that_transformers_loads(tmp_path, models):
+  """mergekit-moe's Qwen MoE: the experts and the shared one under Qwen2-MoE's names, zero q, k,
+  v biases for a Llama base, the shared gate set from its prompts as a router row is."""
+  root, _ = models
+  shared = {'source_model': str(root / 'base'), 'positive_prompts': PROMPTS[0][0],
+            'negative_prompts': PROMPTS[0][1]}
+  out = upscale(tmp_path, root, name='qwen2_moe', shared_experts=[shared])
+  written, base = tensors(out), tensors(root / 'base')
+  for i in range(SIZES['num_hidden_layers']):
+    for leaf in ('gate', 'up', 'down'):
+      np.testing.assert_array_equal(
+          written[f'model.layers.{i}.mlp.shared_expert.{leaf}_proj.weight'],
+          base[f'model.layers.{i}.mlp.{leaf}_proj.weight'])
+    np.testing.assert_allclose(written[f'model.layers.{i}.mlp.shared_expert_gate.weight'][0],
+                               written[f'model.layers.{i}.mlp.gate.weight'][0], atol=1e-7)
+    assert not np.any(written[f'model.layers.{i}.self_attn.k_proj.bias'])
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation='eager')
+  assert type(model).__name__ == 'Qwen2MoeForCausalLM'
+  config, params = hf_decoder.load(out)
+  assert (config.model_type, config.num_experts, config.shared_expert_size) == (
+      'qwen2_moe', 2, SIZES['intermediate_size'])
+  tokens = np.random.default_rng(0).integers(0, SIZES['vocab_size'], (2, 12))
+  from tests import test_decoder  # pylint: disable=g-import-not-at-top
+  ours = test_decoder.ours(config, params, tokens, np.ones_like(tokens, bool))
+  np.testing.assert_allclose(ours, test_decoder.theirs(model, tokens), atol=1e-5)
+
+
 def test_equal_experts_compute_the_dense_model(tmp_path, models):
   root, made = models
   experts = [{'source_model': str(root / 'base')}] * 3
@@ -198,10 +226,13 @@ def test_equal_experts_compute_the_dense_model(tmp_path, models):
 
 @pytest.mark.parametrize('changes,message', [
     (dict(experts_per_token=3), 'experts_per_token = 3 but only 2 experts'),
-    (dict(shared_experts=[{'source_model': 'x'}]), 'shared_experts make a Qwen2-MoE'),
-    (dict(architecture='qwen'), "architecture = 'qwen': editmerge writes Mixtral or Qwen3 MoE"),
+    ('two shared', r'shared_experts lists 2; a Qwen2-MoE takes exactly one'),
+    (dict(architecture='Qwen3 MoE', shared_experts=[{'source_model': '.'}]),
+     r'shared_experts\[0\].positive_prompts is empty'),
+    (dict(architecture='qwen'), "architecture = 'qwen': editmerge writes Mixtral, Qwen MoE"),
     (dict(architecture='Qwen3 MoE'), 'is a llama; a mixtral is upscaled from llama or mistral '
                                      'models; a qwen3_moe is upscaled from qwen3 models'),
+    (dict(architecture='Qwen MoE'), 'a qwen2_moe takes exactly one shared expert'),
     (dict(gate_mode='learned'), "gate_mode = 'learned'; choose one of"),
     ('empty prompts', r'experts\[1\].positive_prompts is empty'),
     ('same prompts', 'every expert has the same prompts'),
@@ -212,7 +243,10 @@ def test_equal_experts_compute_the_dense_model(tmp_path, models):
 def test_bad_recipes_are_named_in_one_line_and_nothing_is_written(tmp_path, models, changes,
                                                                    message):
   root, _ = models
-  if changes == 'empty prompts':
+  if changes == 'two shared':
+    changes = dict(shared_experts=[{'source_model': str(root / 'a'),
+                                    'positive_prompts': ['x']}] * 2)
+  elif changes == 'empty prompts':
     changes = dict(experts=[{'source_model': str(root / 'a'), 'positive_prompts': ['x']},
                             {'source_model': str(root / 'b'), 'positive_prompts': []}])
   elif changes == 'same prompts':

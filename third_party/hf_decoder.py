@@ -74,6 +74,12 @@ def rules(config: DecoderConfig) -> list[keymap.Rule]:
     table.append(('blocks_{i}/mlp/router/kernel', router_name(config, '{i}'), 'linear'))
     table += [(f'blocks_{{i}}/mlp/experts_{e}/{ours}/kernel', expert_name(config, '{i}', e, ours),
                'linear') for e in range(config.num_experts) for ours, _ in EXPERT_WEIGHTS]
+    if config.shared_expert_size:
+      table += [(f'blocks_{{i}}/mlp/shared_expert/{ours}/kernel',
+                 f'{layer}mlp.shared_expert.{ours}_proj.weight', 'linear')
+                for ours, _ in EXPERT_WEIGHTS]
+      table.append(('blocks_{i}/mlp/shared_expert_gate/kernel',
+                    layer + 'mlp.shared_expert_gate.weight', 'linear'))
   else:
     for name in ('gate', 'up', 'down'):
       table.append((f'blocks_{{i}}/mlp/{name}/kernel', f'{layer}mlp.{name}_proj.weight',

@@ -1,4 +1,4 @@
-"""One decoder-only language model for Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE and
+"""One decoder-only language model for Llama, Mistral, Mixtral, Qwen2/3, Qwen2/3-MoE and
 Gemma 2/3.
 
 API:
@@ -179,9 +179,10 @@ class Mlp(nn.Module):
 
 
 class Experts(nn.Module):
-  """A mixture of gated MLPs (Mixtral, Qwen3-MoE): p = softmax(x Wr), the top k experts by p
-  weighted by p renormalised over them, Σ_{e ∈ top k} p_e / Σ_{top k} p · mlp_e(x) (Qwen3-MoE
-  renormalises only with norm_topk_prob, else weighs by p_e itself).
+  """A mixture of gated MLPs (Mixtral, Qwen3-MoE, Qwen2-MoE): p = softmax(x Wr), the top k
+  experts by p weighted by p renormalised over them, Σ_{e ∈ top k} p_e / Σ_{top k} p · mlp_e(x)
+  (the Qwen MoEs renormalise only with norm_topk_prob, else weigh by p_e itself); Qwen2-MoE
+  adds a shared expert every token takes, + sigmoid(x · w_gate) · mlp_shared(x).
 
   Every expert runs on every token and the unchosen ones are weighted by 0: the same function
   as routing tokens to their experts, and one dense program whatever the routing."""
@@ -197,9 +198,14 @@ class Experts(nn.Module):
     if c.normalize_top_k:
       top = top / top.sum(-1, keepdims=True)
     weights = jnp.sum(jax.nn.one_hot(chosen, c.num_experts) * top[..., None], axis=-2)
-    return sum(weights[..., e, None].astype(self.dtype) *
-               Mlp(c, self.dtype, c.expert_size or None, name=f'experts_{e}')(x)
-               for e in range(c.num_experts))
+    routed = sum(weights[..., e, None].astype(self.dtype) *
+                 Mlp(c, self.dtype, c.expert_size or None, name=f'experts_{e}')(x)
+                 for e in range(c.num_experts))
+    if not c.shared_expert_size:
+      return routed
+    gate = nn.Dense(1, use_bias=False, dtype=self.dtype, name='shared_expert_gate')(x)
+    return routed + jax.nn.sigmoid(gate) * Mlp(c, self.dtype, c.shared_expert_size,
+                                              name='shared_expert')(x)
 
 
 class Block(_OfLayer):

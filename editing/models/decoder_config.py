@@ -17,6 +17,9 @@ differ by switches, not by classes (`FAMILIES`):
                  softmax, weighted by their renormalised probabilities
   Qwen3-MoE      Qwen3's layers with Mixtral's mixture (num_experts of width
                  moe_intermediate_size), the probabilities renormalised only with norm_topk_prob
+  Qwen2-MoE      Qwen2's layers with Qwen3-MoE's mixture and a shared expert, an MLP of width
+                 shared_expert_intermediate_size that every token takes, weighted by
+                 sigmoid(x · w_gate)
 
 RoPE (`Rope`) is the default one (θ^(-2i/d)), linear scaling (÷ factor), or Llama 3's
 banded rescaling; Gemma 3's local layers use their own θ (`local_rope`). `to_hf()` writes a
@@ -63,8 +66,8 @@ _COMMON = set(_REQUIRED) | {'model_type', 'architectures', 'num_key_value_heads'
                             'rope_theta', 'rope_scaling', 'rope_parameters',
                             'rope_interleaved'}
 _QWEN_WINDOWS = {'use_sliding_window', 'sliding_window', 'max_window_layers', 'layer_types'}
-_QWEN_MOE = {'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
-             'decoder_sparse_step', 'mlp_only_layers'}
+_QWEN_MOE = {'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size',
+             'norm_topk_prob', 'decoder_sparse_step', 'mlp_only_layers'}
 _GEMMA = {'hidden_activation', 'hidden_act', 'attention_bias', 'query_pre_attn_scalar',
           'sliding_window', 'layer_types', 'attn_logit_softcapping', 'final_logit_softcapping',
           'use_bidirectional_attention'}
@@ -109,6 +112,13 @@ FAMILIES = {
                          _QWEN_MOE, qk_norm=True, moe=True, max_position_embeddings=32768,
                          max_window_layers=28, num_local_experts=128, num_experts_per_tok=8,
                          moe_intermediate_size=768, norm_topk_prob=False,
+                         decoder_sparse_step=1, mlp_only_layers=[]),
+    'qwen2_moe': _family('Qwen2MoeForCausalLM', {'hidden_act', 'qkv_bias',
+                                                 'shared_expert_intermediate_size'} |
+                         _QWEN_WINDOWS | _QWEN_MOE, qkv_bias=True, moe=True,
+                         max_position_embeddings=32768, max_window_layers=28,
+                         num_local_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                         shared_expert_intermediate_size=5632, norm_topk_prob=False,
                          decoder_sparse_step=1, mlp_only_layers=[]),
     'gemma2': _family('Gemma2ForCausalLM', _GEMMA, gemma=True, max_position_embeddings=8192,
                       hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=256,
@@ -241,6 +251,7 @@ class DecoderConfig:
   experts_per_token: int = 0
   expert_size: int = 0  # each expert's intermediate width; 0: intermediate_size
   normalize_top_k: bool = True  # the chosen experts' probabilities renormalised to sum to 1
+  shared_expert_size: int = 0  # the width of the shared expert every token takes; 0: none
 
   @property
   def family(self) -> Family:
@@ -314,7 +325,8 @@ class DecoderConfig:
                 'query_pre_attn_scalar': self.query_pre_attn_scalar,
                 'attn_logit_softcapping': self.attn_logit_softcapping,
                 'final_logit_softcapping': self.final_logit_softcapping,
-                'num_local_experts': self.num_experts,
+                'num_local_experts': self.num_experts, 'num_experts': self.num_experts,
+                'shared_expert_intermediate_size': self.shared_expert_size, 'qkv_bias': True,
                 'num_experts_per_tok': self.experts_per_token,
                 'moe_intermediate_size': self.expert_size, 'norm_topk_prob': self.normalize_top_k,
                 'decoder_sparse_step': 1, 'mlp_only_layers': []}
@@ -323,10 +335,10 @@ class DecoderConfig:
 
 
 def _experts(cfg: Mapping, given: Mapping, name: str) -> dict:
-  """The mixture's fields of a Mixtral or Qwen3-MoE config.json; a mixture that leaves some
-  layers dense (decoder_sparse_step, mlp_only_layers) is refused by name."""
-  # Qwen3-MoE's count is num_experts in its released config.json files and num_local_experts
-  # in what transformers 5 writes.
+  """The mixture's fields of a Mixtral, Qwen3-MoE or Qwen2-MoE config.json; a mixture that
+  leaves some layers dense (decoder_sparse_step, mlp_only_layers) is refused by name."""
+  # The Qwen MoEs' count is num_experts in their released config.json files, and
+  # num_local_experts in what transformers 5 writes of Qwen3-MoE.
   count_key = 'num_experts' if name != 'mixtral' and 'num_experts' in given else \
       'num_local_experts'
   if 'num_experts' in given and 'num_local_experts' in given and \
@@ -338,13 +350,18 @@ def _experts(cfg: Mapping, given: Mapping, name: str) -> dict:
   if experts['experts_per_token'] > experts['num_experts']:
     raise UserError(f'config.json: num_experts_per_tok = {experts["experts_per_token"]} exceeds '
                     f'{count_key} = {experts["num_experts"]}')
-  if name == 'qwen3_moe':
+  if name in ('qwen3_moe', 'qwen2_moe'):
     if cfg['decoder_sparse_step'] != 1 or cfg['mlp_only_layers']:
       raise UserError(f'config.json: decoder_sparse_step = {cfg["decoder_sparse_step"]}, '
                       f'mlp_only_layers = {cfg["mlp_only_layers"]}: layers with a dense MLP '
                       'among the mixtures are not supported')
     experts.update(expert_size=_positive_int(cfg, 'moe_intermediate_size'),
                    normalize_top_k=bool(cfg['norm_topk_prob']))
+  if name == 'qwen2_moe':
+    if cfg.get('qkv_bias') is False:
+      raise UserError('config.json: qkv_bias = false; a Qwen2-MoE is read with its q, k and v '
+                      'biases')
+    experts['shared_expert_size'] = _positive_int(cfg, 'shared_expert_intermediate_size')
   return experts
 
 
@@ -413,7 +430,7 @@ def _build(cfg: dict, given: Mapping, family: Family) -> DecoderConfig:
     raise UserError('config.json: use_bidirectional_attention = true is an encoder, not a '
                     'causal decoder')
   window = cfg.get('sliding_window')
-  if name in ('qwen2', 'qwen3', 'qwen3_moe') and not cfg.get('use_sliding_window'):
+  if name in ('qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe') and not cfg.get('use_sliding_window'):
     window = None
   if window is not None:
     window = _positive_int(cfg, 'sliding_window')

@@ -1,11 +1,14 @@
-"""MoE upscaling: dense Llama or Mistral checkpoints made into one Mixtral, or Qwen3 ones into
-a Qwen3-MoE, as mergekit-moe makes them (its YAML read by `merging.mergekit.moe`).
+"""MoE upscaling: dense Llama or Mistral checkpoints made into one Mixtral, Qwen3 ones into a
+Qwen3-MoE, or, with a shared expert, Llama, Mistral or Qwen2 ones into a Qwen2-MoE, as
+mergekit-moe makes them (its YAML read by `merging.mergekit.moe`).
 
 The base donates every tensor but the MLPs: embeddings, attention, norms, the head. Expert e
 of every layer is source model e's MLP (Mixtral: gate_proj → w1, up_proj → w3, down_proj → w2;
 Qwen3-MoE keeps the names), with N(0, noise_scale²) added and the down projection scaled by
-residual_scale where the expert asks. A Qwen3-MoE renormalises its top-k probabilities
-(norm_topk_prob) and its experts are the base's width, as mergekit-moe writes it. The router of
+residual_scale where the expert asks. The Qwen MoEs renormalise their top-k probabilities
+(norm_topk_prob) and their experts are the base's width, as mergekit-moe writes them; a
+Qwen2-MoE's shared expert is its source's MLP, its gate (1, hidden) set from its prompts as a
+router is, and its q, k and v biases are the base's, or zeros where the base has none. The router of
 layer i, a (experts, hidden) matrix W_i, is set by the gate mode [mergekit moe/router.py]:
 
   hidden, hidden_last   v_e = mean over e's positive prompts of the residual stream entering
@@ -49,7 +52,8 @@ from merging.mergekit import moe as moe_lib
 from third_party import hf_decoder
 
 # The dense model_types each output takes (mergekit-moe's choice of output by its inputs).
-OUTPUTS = {'mixtral': ('llama', 'mistral'), 'qwen3_moe': ('qwen3',)}
+OUTPUTS = {'mixtral': ('llama', 'mistral'), 'qwen3_moe': ('qwen3',),
+           'qwen2_moe': ('llama', 'mistral', 'qwen2')}
 
 
 def run(recipe: moe_lib.MoeRecipe, output: str, *, overwrite: bool = False, seed: int = 0,
@@ -58,16 +62,26 @@ def run(recipe: moe_lib.MoeRecipe, output: str, *, overwrite: bool = False, seed
   summary."""
   base = hf.Checkpoint(recipe.base_model)
   dense = _dense_config(base, 'base_model')
+  # A shared expert makes a Qwen2-MoE; without one, the first output the base's type makes.
   architecture = recipe.architecture or next(
-      (a for a, inputs in OUTPUTS.items() if dense.model_type in inputs), None)
+      (a for a, inputs in OUTPUTS.items() if dense.model_type in inputs and a != 'qwen2_moe'),
+      None)
   if architecture is None or dense.model_type not in OUTPUTS[architecture]:
     raise UserError(f'base_model = {base.path} is a {dense.model_type}; '
                     + '; '.join(f'a {a} is upscaled from {" or ".join(inputs)} models'
-                                for a, inputs in OUTPUTS.items()))
-  sources = [hf.Checkpoint(e.source_model) for e in recipe.experts]
+                                for a, inputs in OUTPUTS.items())
+                    + ' (a qwen2_moe with one shared expert)')
+  if (architecture == 'qwen2_moe') != bool(recipe.shared_experts):
+    takes = 'exactly one' if architecture == 'qwen2_moe' else 'no'
+    raise UserError(f'a {architecture} takes {takes} shared expert')
+  experts = recipe.experts + recipe.shared_experts
+  sources = [hf.Checkpoint(e.source_model) for e in experts]
   for k, source in enumerate(sources):
-    _check_expert(_dense_config(source, f'experts[{k}].source_model'), dense, k, source.path)
-  config_json = moe_config(base.config, architecture, len(sources), recipe.experts_per_token)
+    key = (f'experts[{k}]' if k < len(recipe.experts) else
+           f'shared_experts[{k - len(recipe.experts)}]')
+    _check_expert(_dense_config(source, f'{key}.source_model'), dense, key, source.path)
+  config_json = moe_config(base.config, architecture, len(recipe.experts),
+                           recipe.experts_per_token)
   moe = DecoderConfig.from_hf(config_json)
   _check_tensors(base, dense, 'base_model')
   output_lib.checked_path(output, [base.path, *(s.path for s in sources)])
@@ -116,23 +130,31 @@ def _card(recipe: moe_lib.MoeRecipe) -> str:
 
 def moe_config(base_json: dict, architecture: str, experts: int, per_token: int) -> dict:
   """The base's config.json as a Mixtral's (its fields, the experts', no sliding window) or a
-  Qwen3-MoE's (its fields, the experts' of the base's width, renormalised top-k)."""
+  Qwen MoE's (its fields, the experts' of the base's width, renormalised top-k; Qwen2-MoE's
+  shared expert of the base's width too, and q, k, v biases)."""
   config = {k: v for k, v in base_json.items()
             if k not in ('attention_bias', 'mlp_bias', 'pretraining_tp', 'is_llama_config')}
   if architecture == 'mixtral':
     return {**config, 'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
             'num_local_experts': experts, 'num_experts_per_tok': per_token,
             'sliding_window': None}
-  return {**config, 'model_type': 'qwen3_moe', 'architectures': ['Qwen3MoeForCausalLM'],
-          'num_experts': experts, 'num_experts_per_tok': per_token, 'decoder_sparse_step': 1,
+  qwen = {'num_experts': experts, 'num_experts_per_tok': per_token, 'decoder_sparse_step': 1,
           'norm_topk_prob': True, 'mlp_only_layers': [],
           'moe_intermediate_size': base_json['intermediate_size']}
+  if architecture == 'qwen3_moe':
+    return {**config, **qwen, 'model_type': 'qwen3_moe',
+            'architectures': ['Qwen3MoeForCausalLM']}
+  return {**config, **qwen, 'model_type': 'qwen2_moe', 'architectures': ['Qwen2MoeForCausalLM'],
+          'qkv_bias': True, 'sliding_window': None, 'use_sliding_window': False,
+          'shared_expert_intermediate_size': base_json['intermediate_size']}
 
 
 def gate_weights(recipe: moe_lib.MoeRecipe, base: hf.Checkpoint, dense: DecoderConfig,
                  seed: int) -> np.ndarray:
-  """(layers, experts, hidden) float32: every layer's router weight, by `recipe.gate_mode`."""
-  shape = (dense.num_layers, len(recipe.experts), dense.hidden_size)
+  """(layers, experts, hidden) float32: every layer's router weight, by `recipe.gate_mode`,
+  and after the experts' rows, the shared expert's gate where there is one."""
+  experts = recipe.experts + recipe.shared_experts
+  shape = (dense.num_layers, len(experts), dense.hidden_size)
   rng = np.random.default_rng([seed, 0])
   if recipe.gate_mode == 'random':
     return rng.standard_normal(shape).astype(np.float32)
@@ -152,7 +174,7 @@ def gate_weights(recipe: moe_lib.MoeRecipe, base: hf.Checkpoint, dense: DecoderC
     states = lambda prompts: layer_states(dense, params, encode(prompts),
                                           average=recipe.gate_mode == 'hidden_avg').mean(0)
   vectors = []
-  for expert in recipe.experts:
+  for expert in experts:
     v = states(expert.positive_prompts)
     if expert.negative_prompts:
       v = v - states(expert.negative_prompts)
@@ -199,13 +221,13 @@ def _dense_config(ckpt: hf.Checkpoint, key: str) -> DecoderConfig:
   return config
 
 
-def _check_expert(config: DecoderConfig, base: DecoderConfig, k: int, path: str) -> None:
+def _check_expert(config: DecoderConfig, base: DecoderConfig, key: str, path: str) -> None:
   """An expert is the base's architecture, with the base's MLP and layer count."""
   fields = ('model_type', 'hidden_size', 'intermediate_size', 'num_layers', 'activation')
   differing = [f for f in fields if getattr(config, f) != getattr(base, f)]
   if differing:
     f = differing[0]
-    raise UserError(f'experts[{k}].source_model = {path} has {f} = {getattr(config, f)!r}, the '
+    raise UserError(f'{key}.source_model = {path} has {f} = {getattr(config, f)!r}, the '
                     f'base_model {getattr(base, f)!r}; experts must share the base\'s '
                     'architecture')
 
@@ -227,23 +249,36 @@ def _tensor_plan(base: hf.Checkpoint, sources: list, recipe: moe_lib.MoeRecipe,
   """{output name: (shape, stored dtype, make)}: make(reader_of) gives the tensor (flat) from
   the reader `reader_of(checkpoint)` returns, when it is written."""
   plan = {}
-  mixture = {hf_decoder.router_name(moe, i) for i in range(moe.num_layers)} | {
-      hf_decoder.expert_name(moe, i, e, leaf) for i in range(moe.num_layers)
-      for e in range(moe.num_experts) for leaf, _ in hf_decoder.EXPERT_WEIGHTS}
+  layers, count = range(moe.num_layers), moe.num_experts
+  shared = [f'model.layers.{i}.mlp.shared_expert{part}.weight' for i in layers
+            for part in ('_gate', '.gate_proj', '.up_proj', '.down_proj')]
+  mixture = {hf_decoder.router_name(moe, i) for i in layers} | set(shared) | {
+      hf_decoder.expert_name(moe, i, e, leaf) for i in layers for e in range(count)
+      for leaf, _ in hf_decoder.EXPERT_WEIGHTS}
+  dtype = base.header(hf_decoder.EMBEDDING)[1]
   for _, theirs, _ in hf_decoder.rules(moe):
-    if theirs not in mixture:
-      shape, dtype = base.header(theirs)
-      plan[theirs] = (shape, dtype, lambda of, n=theirs: of(base).tensor(n).reshape(-1))
-  for i in range(moe.num_layers):
+    if theirs in mixture:
+      continue
+    if theirs in base.files:
+      shape, stored = base.header(theirs)
+      plan[theirs] = (shape, stored, lambda of, n=theirs: of(base).tensor(n).reshape(-1))
+    else:  # a Qwen2-MoE's q, k, v biases, which a Llama or Mistral base has not
+      shape = (moe.head_dim * (moe.num_heads if '.q_proj.' in theirs else moe.num_kv_heads),)
+      plan[theirs] = (shape, dtype, lambda of, s=shape: np.zeros(s, np.float32))
+  everyone = list(zip(recipe.experts + recipe.shared_experts, sources))
+  for i in layers:
     name = hf_decoder.router_name(moe, i)
-    plan[name] = (gates[i].shape, base.header(f'model.layers.{i}.self_attn.q_proj.weight')[1],
-                  lambda of, g=gates[i]: g.reshape(-1))
-    for e, (expert, source) in enumerate(zip(recipe.experts, sources)):
+    plan[name] = ((count, moe.hidden_size), dtype, lambda of, g=gates[i][:count]: g.reshape(-1))
+    if recipe.shared_experts:
+      name = f'model.layers.{i}.mlp.shared_expert_gate.weight'
+      plan[name] = ((1, moe.hidden_size), dtype, lambda of, g=gates[i][count:]: g.reshape(-1))
+    for e, (expert, source) in enumerate(everyone):
       for leaf, _ in hf_decoder.EXPERT_WEIGHTS:
         theirs = f'model.layers.{i}.mlp.{leaf}_proj.weight'
-        out = hf_decoder.expert_name(moe, i, e, leaf)
-        shape, dtype = source.header(theirs)
-        plan[out] = (shape, dtype, lambda of, s=source, n=theirs, x=expert, o=out, d=leaf:
+        out = (hf_decoder.expert_name(moe, i, e, leaf) if e < count else
+               f'model.layers.{i}.mlp.shared_expert.{leaf}_proj.weight')
+        shape, stored = source.header(theirs)
+        plan[out] = (shape, stored, lambda of, s=source, n=theirs, x=expert, o=out, d=leaf:
                      _expert_tensor(of(s).tensor(n), x, o, d == 'down', seed))
   return plan
 

@@ -12,15 +12,19 @@
       noise_scale: 0.01                    # optional: + N(0, s²) on its MLP weights
       residual_scale: 0.5                  # optional: × s on its down projection
 
-The output is a Mixtral from Llama or Mistral models, or a Qwen3-MoE from Qwen3 models, as
-mergekit-moe chooses by the inputs (`architecture: Mixtral` or `Qwen3 MoE`, mergekit's names,
-may say which), written by `merging.checkpoints.upscaling`. Refused by name, as mergekit refuses them: fewer experts than
-experts_per_token, an expert without positive prompts in a prompted gate mode, the same
-prompts for every expert, and, where the routers are set from prompts, the same source model
-for every expert (mergekit's --i-understand-this-is-not-useful-without-training has no
-counterpart: such a model is one MLP repeated). Refused here, since editmerge writes no other
-MoE architecture: shared_experts (Qwen2-MoE, DeepSeek-MoE) and an `architecture` other than
-those two.
+  shared_experts:                          # optional: one, making a Qwen2-MoE
+    - source_model: /models/general        # its MLP every token takes, gated by sigmoid
+
+The output is a Mixtral from Llama or Mistral models, a Qwen3-MoE from Qwen3 models, or, with
+a shared expert, a Qwen2-MoE from Llama, Mistral or Qwen2 ones, as mergekit-moe chooses by the
+inputs (`architecture: Mixtral`, `Qwen MoE` or `Qwen3 MoE`, mergekit's names, may say which),
+written by `merging.checkpoints.upscaling`. Refused by name, as mergekit refuses them: fewer
+experts than experts_per_token, an expert (or the shared one, but for gate_mode random)
+without positive prompts in a prompted gate mode, the same prompts for every expert, and,
+where the routers are set from prompts, the same source model for every expert (mergekit's
+--i-understand-this-is-not-useful-without-training has no counterpart: such a model is one MLP
+repeated). Refused here, since editmerge writes no other MoE architecture: more than one shared
+expert (DeepSeek-MoE) and another `architecture`.
 """
 
 import dataclasses
@@ -30,7 +34,7 @@ from merging.checkpoints.plan import OUTPUT_DTYPES
 from merging.mergekit import reader
 
 # mergekit-moe's output architectures that editmerge writes, by their names without spaces.
-ARCHITECTURES = {'mixtral': 'mixtral', 'qwen3moe': 'qwen3_moe'}
+ARCHITECTURES = {'mixtral': 'mixtral', 'qwenmoe': 'qwen2_moe', 'qwen3moe': 'qwen3_moe'}
 GATE_MODES = ('hidden', 'hidden_avg', 'hidden_last', 'cheap_embed', 'random', 'uniform_random')
 UNPROMPTED = ('random', 'uniform_random')
 _TOP_KEYS = ('base_model', 'experts', 'gate_mode', 'dtype', 'experts_per_token',
@@ -59,25 +63,33 @@ class MoeRecipe:
   gate_mode: str = 'hidden'
   dtype: str | None = None
   experts_per_token: int = 2
-  architecture: str | None = None  # 'mixtral' or 'qwen3_moe' where the YAML names one
+  architecture: str | None = None  # 'mixtral', 'qwen2_moe' or 'qwen3_moe' where named
   text: str = ''  # the YAML as written, for the output's card
+  shared_experts: tuple[Expert, ...] = ()  # Qwen2-MoE's one, which every token takes
 
 
 def read(path: str) -> MoeRecipe:
   """The mergekit-moe config at `path`, every key and value checked; the models must exist."""
   doc, text = reader.load_yaml(path, _TOP_KEYS)
-  if doc.get('shared_experts'):
-    raise UserError(f'{path}: shared_experts make a Qwen2-MoE or DeepSeek-MoE model, and '
-                    'editmerge writes Mixtral and Qwen3-MoE only; remove them')
   architecture = doc.get('architecture')
   if architecture is not None:
     architecture = ARCHITECTURES.get(str(architecture).lower().replace(' ', '').replace('-', ''))
     if architecture is None:
       raise UserError(f'{path}: architecture = {doc["architecture"]!r}: editmerge writes '
-                      'Mixtral or Qwen3 MoE')
+                      'Mixtral, Qwen MoE (Qwen2-MoE) or Qwen3 MoE')
   gate_mode = doc.get('gate_mode', 'hidden')
   if gate_mode not in GATE_MODES:
     raise UserError(f'{path}: gate_mode = {gate_mode!r}; choose one of {", ".join(GATE_MODES)}')
+  shared = doc.get('shared_experts') or []
+  if not isinstance(shared, list) or len(shared) > 1:
+    listed = len(shared) if isinstance(shared, list) else repr(shared)
+    raise UserError(f'{path}: shared_experts lists {listed}; a Qwen2-MoE takes exactly one '
+                    '(DeepSeek-MoE\'s several are not written)')
+  # mergekit-moe asks the shared expert for prompts in every gate mode but 'random'.
+  shared = tuple(_expert(entry, k, path, 'random' if gate_mode == 'random' else 'hidden',
+                         'shared_experts') for k, entry in enumerate(shared))
+  if shared and architecture not in (None, 'qwen2_moe'):
+    raise UserError(f'{path}: shared_experts make a Qwen2-MoE, not a {doc["architecture"]}')
   reader.check_exists(doc.get('base_model'), path, 'base_model')
   entries = doc.get('experts')
   if not isinstance(entries, list) or not entries:
@@ -100,26 +112,27 @@ def read(path: str) -> MoeRecipe:
   dtype = doc.get('dtype')
   if dtype is not None and dtype not in OUTPUT_DTYPES:
     raise UserError(f'{path}: dtype = {dtype!r}; choose one of {", ".join(OUTPUT_DTYPES)}')
-  return MoeRecipe(doc['base_model'], experts, gate_mode, dtype, per_token, architecture,
-                   text)
+  return MoeRecipe(doc['base_model'], experts, gate_mode, dtype, per_token,
+                   'qwen2_moe' if shared else architecture, text, shared)
 
 
-def _expert(entry, k: int, path: str, gate_mode: str) -> Expert:
-  reader.check_keys(entry, _EXPERT_KEYS, path, f'experts[{k}].')
-  reader.check_exists(entry.get('source_model'), path, f'experts[{k}].source_model')
+def _expert(entry, k: int, path: str, gate_mode: str, key: str = 'experts') -> Expert:
+  where = f'{key}[{k}]'
+  reader.check_keys(entry, _EXPERT_KEYS, path, f'{where}.')
+  reader.check_exists(entry.get('source_model'), path, f'{where}.source_model')
   prompts = {}
   for key in ('positive_prompts', 'negative_prompts'):
     given = entry.get(key) or []
     if not isinstance(given, list) or not all(isinstance(p, str) for p in given):
-      raise UserError(f'{path}: experts[{k}].{key} must be a list of strings')
+      raise UserError(f'{path}: {where}.{key} must be a list of strings')
     prompts[key] = tuple(given)
   if gate_mode not in UNPROMPTED and not prompts['positive_prompts']:
-    raise UserError(f'{path}: experts[{k}].positive_prompts is empty; gate_mode {gate_mode} '
+    raise UserError(f'{path}: {where}.positive_prompts is empty; gate_mode {gate_mode} '
                     'sets each router from its expert\'s prompts')
   scales = {}
   for key in ('noise_scale', 'residual_scale'):
     value = entry.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-      raise UserError(f'{path}: experts[{k}].{key} = {value!r} must be a number')
+      raise UserError(f'{path}: {where}.{key} = {value!r} must be a number')
     scales[key] = None if value is None else float(value)
   return Expert(entry['source_model'], **prompts, **scales)
