@@ -94,3 +94,11 @@ def task_of(vector: TaskVector, data: Mapping[str, TaskData], method: str) -> Ta
     raise UserError(f'{method} needs single-task vectors with data for their task; got tasks '
                      f'{vector.tasks}, data for {sorted(data)}')
   return data[vector.tasks[0]]
+
+
+def labeled_task_of(vector: TaskVector, data: Mapping[str, TaskData], method: str) -> TaskData:
+  """The labeled data of a single-task vector's task."""
+  task = task_of(vector, data, method)
+  if task.labels is None:
+    raise UserError(f'{method} needs labeled data for task {vector.tasks[0]}')
+  return task

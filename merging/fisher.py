@@ -19,7 +19,6 @@ import numpy as np
 from editing import gradients
 from editing import settings
 from editing import tree as tree_lib
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 
@@ -58,9 +57,7 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   check_compatible(task_vectors, 'fisher')
   fishers = []
   for vector in task_vectors:
-    task = common.task_of(vector, data, 'fisher')
-    if task.labels is None:
-      raise UserError(f'fisher needs labeled data for task {vector.tasks[0]}')
+    task = common.labeled_task_of(vector, data, 'fisher')
     fishers.append(diagonal_fisher(task.logits_fn, vector.apply_to(theta0), task.images,
                                    task.labels, batch_size))
   return combine(task_vectors, fishers)

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from editing import settings
-from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -113,8 +112,6 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
   check_compatible(task_vectors, 'localize_stitch')
   masks = []
   for vector in task_vectors:
-    task = common.task_of(vector, data, 'localize_stitch')
-    if task.labels is None:
-      raise UserError(f'localize_stitch needs labeled data for task {vector.tasks[0]}')
+    task = common.labeled_task_of(vector, data, 'localize_stitch')
     masks.append(localize(task.logits_fn, theta0, vector, task.images, task.labels, **values))
   return stitch(task_vectors, masks)
