@@ -33,15 +33,19 @@ The package, by concern:
   sliced.py    layer ranges of the models merged into the output's layers
   passthrough.py  layer ranges stacked as they are (mergekit's passthrough)
   extraction.py, adapters.py  τ_1 as a PEFT LoRA adapter; a base with an adapter applied
-  upscaling.py  dense Llama or Mistral checkpoints into a Mixtral (mergekit-moe's recipes)
-  vocabulary.py  the inputs' tokenizers give every id one token, or the merge is refused
+  upscaling.py  dense checkpoints into a Mixtral, Qwen2-MoE or Qwen3-MoE (mergekit-moe's
+               recipes)
+  calibrated.py  RegMean and RegMean++ of decoders on calibration text, a layer at a time
+  vocabulary.py  the embedding rows aligned to one vocabulary (mergekit's tokenizer_source),
+               or models whose vocabularies differ refused
   output.py    the one output lifecycle of every writer: the overlap check on real paths, the
                lock, `<output>.partial` with its record, resume, copied files, the card, the
                atomic replace
   digests.py   what a resume checks: a digest of every block the merge read
   job.py       the merge job: its inputs checked, a Recipe (`merging.recipe`) run
 
-Methods that read data (Fisher, RegMean, AdaMerging, DAM) are refused. The output is a Hugging
+Of the methods that read data, RegMean and RegMean++ run on decoders with a calibration text
+(`calibrated`); the others (Fisher, AdaMerging, DAM) are refused. The output is a Hugging
 Face directory: safetensors shards of at most `shard_bytes` with their index, the base's
 config.json and tokenizer files, and the record of the merge (merge_plan.json).
 """
