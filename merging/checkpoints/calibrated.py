@@ -24,12 +24,14 @@ weighs 0. The output is θ0 + λ·(θ_m − θ0), θ0 the base.
 import functools
 import hashlib
 import threading
+import time
 from typing import NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 import merging
 from editing import scoring
@@ -177,7 +179,11 @@ class LayerMerge:
     with self._lock:
       while self._done < self._stage[name]:
         self._done += 1
+        start = time.time()
         self._ready.update(self._make(self._done))
+        logging.info('calibrated merge: stage %d of %d (0 the embedding, then the layers, '
+                     'then the head) in %.1f s', self._done, self.config.num_layers + 1,
+                     time.time() - start)
       return self._ready.pop(name)
 
   def _make(self, stage: int) -> dict[str, np.ndarray]:
