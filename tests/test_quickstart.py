@@ -239,6 +239,12 @@ def test_merge_job_merges_evaluates_and_saves_every_method(tiny_run):
   listed = merge.run(config, workdir)['talos']['methods']
   assert set(listed) == set(MERGE_METHODS) and listed['ties'] == changed['ties']
   assert {m: os.stat(f).st_mtime_ns for m, f in results.items()} == stamps
+  # Nor do the settings of what runs beside the sweep (the continual protocol, the linearity
+  # diagnostic) change a result.
+  config.eval.linearity_alphas, config.merge.orders = '1', 2
+  assert set(merge.run(config, workdir)['talos']['methods']) == set(MERGE_METHODS)
+  assert {m: os.stat(f).st_mtime_ns for m, f in results.items()} == stamps
+  config.eval.linearity_alphas, config.merge.orders = '', 3
   report = open(os.path.join(directory, 'report.md')).read()
   assert all(f'| {m} |' in report for m in MERGE_METHODS)
   # A method's result under other settings is not listed.

@@ -37,6 +37,9 @@ EVAL = dict(
     linearity_size=settings.integer(64, '[1, inf)', 'test inputs of each other task that the '
                                                     'linearity diagnostic reads'))
 SECTIONS = {'eval': EVAL}
+# config.eval's keys that add a measurement beside the protocols and change none of their
+# numbers (a merge's result does not depend on them).
+BESIDE_THE_PROTOCOLS = ('linearity_alphas', 'linearity_size')
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:

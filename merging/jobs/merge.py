@@ -68,6 +68,9 @@ MERGE = dict(
                                     'comma-separated (merging/continual.py); \'\': none'),
     orders=settings_lib.integer(3, '[1, inf)', 'task orders of the continual protocol'))
 SECTIONS = {'merge': MERGE, **evaluate_job.SECTIONS}
+# config.merge's keys that choose what runs beside a method's sweep, not how it merges: a
+# result stays reusable whatever they are.
+_BESIDE_THE_SWEEP = ('methods', 'lines', 'continual', 'orders')
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -216,13 +219,15 @@ def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
   """The config a merge's result depends on: its settings, its grid and the shared sections
   (not which other methods run beside it)."""
   method = _method(name)
-  shared = {k: v for k, v in config.merge.to_dict().items() if k not in ('methods', 'lines')}
+  shared = {k: v for k, v in config.merge.to_dict().items() if k not in _BESIDE_THE_SWEEP}
+  evaluation = {k: v for k, v in config.eval.to_dict().items()
+                if k not in evaluate_job.BESIDE_THE_PROTOCOLS}
   axes = {k: list(v) for k, v in _axes(config, method).items()}
   fixed = merging.check_settings(method, given(config, method), f'config.{_section(method)}')
   return {'method': {k: v for k, v in fixed.items() if k not in axes},
           **({'sweep': axes} if axes else {}), **({'lines': True} if name != method else {}),
           'merge': shared,
-          'eval': config.eval.to_dict(), **experiment.data_settings(config, 'train_size')}
+          'eval': evaluation, **experiment.data_settings(config, 'train_size')}
 
 
 @dataclasses.dataclass(frozen=True)
