@@ -39,7 +39,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from editing.models.decoder_config import DecoderConfig, Rope
+from editing.models.decoder_config import DecoderConfig
+from editing.models.rope import Rope
 
 Dtype = Any
 ACTIVATIONS = {

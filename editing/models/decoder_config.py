@@ -21,18 +21,16 @@ differ by switches, not by classes (`FAMILIES`):
                  shared_expert_intermediate_size that every token takes, weighted by
                  sigmoid(x · w_gate)
 
-RoPE (`Rope`) is the default one (θ^(-2i/d)), linear scaling (÷ factor), or Llama 3's
-banded rescaling; Gemma 3's local layers use their own θ (`local_rope`). `to_hf()` writes a
+RoPE (`editing.models.rope`) is the default one (θ^(-2i/d)), linear scaling (÷ factor), or
+Llama 3's banded rescaling; Gemma 3's local layers use their own θ (`local_rope`). `to_hf()` writes a
 config.json in transformers 5's form, which `from_hf` reads back to an equal config.
 """
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
-import numpy as np
-
 from editing.errors import UserError
+from editing.models import rope as rope_lib
 
 # Fields that do not change what the model computes, each with the reason.
 _TOKENS = "the tokenizer's and generation's business; generation takes its stop ids as arguments"
@@ -58,7 +56,6 @@ IGNORED = {
 # MLP activations by their Hugging Face names: SwiGLU (silu) or GeGLU (the gelus).
 ACTIVATIONS = ('silu', 'swish', 'gelu', 'gelu_pytorch_tanh', 'gelu_new')
 LAYER_TYPES = ('full_attention', 'sliding_attention')
-_ROPE_KINDS = ('default', 'linear', 'llama3')
 _REQUIRED = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
              'num_attention_heads')
 _COMMON = set(_REQUIRED) | {'model_type', 'architectures', 'num_key_value_heads', 'head_dim',
@@ -133,76 +130,8 @@ FAMILIES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Rope:
-  """Rotary position embedding: the pair (x_i, x_{i+d/2}) of a head is rotated by p·ω_i,
-  ω_i = θ^(-2i/d), rescaled by `kind`: 'linear' divides every ω by `factor`; 'llama3' divides
-  the low frequencies (wavelength 2π/ω > L/low_freq_factor, L the original context) by
-  `factor`, keeps the high ones (2π/ω < L/high_freq_factor) and interpolates between them
-  with s = (L/wavelength − low) / (high − low): ω' = (1 − s)·ω/factor + s·ω."""
-
-  theta: float = 10000.0
-  kind: str = 'default'
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-  def inverse_frequencies(self, head_dim: int) -> np.ndarray:
-    """The head_dim / 2 angular frequencies ω_i, float32."""
-    omega = 1.0 / self.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    omega = omega.astype(np.float32)
-    if self.kind == 'linear':
-      return (omega / self.factor).astype(np.float32)
-    if self.kind == 'llama3':
-      context = self.original_max_position_embeddings
-      wavelength = 2 * math.pi / omega
-      scaled = np.where(wavelength > context / self.low_freq_factor, omega / self.factor, omega)
-      smooth = ((context / wavelength - self.low_freq_factor) /
-                (self.high_freq_factor - self.low_freq_factor))
-      blended = (1 - smooth) * scaled / self.factor + smooth * scaled
-      medium = ((wavelength >= context / self.high_freq_factor) &
-                (wavelength <= context / self.low_freq_factor))
-      return np.where(medium, blended, scaled).astype(np.float32)
-    return omega
-
-  def to_hf(self) -> dict:
-    """This RoPE as one of transformers 5's `rope_parameters` entries."""
-    out = {'rope_type': self.kind, 'rope_theta': self.theta}
-    if self.kind != 'default':
-      out['factor'] = self.factor
-    if self.kind == 'llama3':
-      out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
-                 original_max_position_embeddings=self.original_max_position_embeddings)
-    return out
-
-
-def _rope(entry: Mapping, where: str, theta: float) -> Rope:
-  """A `Rope` from a rope_parameters / rope_scaling entry (`where` names it in errors)."""
-  known = {'rope_type', 'type', 'rope_theta', 'factor', 'low_freq_factor', 'high_freq_factor',
-           'original_max_position_embeddings', 'partial_rotary_factor'}
-  unknown = sorted(set(entry) - known)
-  if unknown:
-    raise UserError(f'config.json: {where}.{unknown[0]} is not understood here')
-  if entry.get('partial_rotary_factor', 1.0) != 1.0:
-    raise UserError(f'config.json: {where}.partial_rotary_factor = '
-                    f'{entry["partial_rotary_factor"]}: only whole-head RoPE is supported')
-  kind = entry.get('rope_type', entry.get('type', 'default'))
-  if kind not in _ROPE_KINDS:
-    raise UserError(f'config.json: {where}.rope_type = {kind!r} is not supported; supported: '
-                    f'{list(_ROPE_KINDS)}')
-  fields = {'theta': float(entry.get('rope_theta', theta)), 'kind': kind}
-  if kind != 'default':
-    fields['factor'] = float(entry['factor'])
-  if kind == 'llama3':
-    fields.update(low_freq_factor=float(entry['low_freq_factor']),
-                  high_freq_factor=float(entry['high_freq_factor']),
-                  original_max_position_embeddings=int(
-                      entry['original_max_position_embeddings']))
-  return Rope(**fields)
-
-
-def _ropes(cfg: Mapping, family: Family, gemma3: bool) -> tuple[Rope, Rope]:
+def _ropes(cfg: Mapping, family: Family,
+           gemma3: bool) -> tuple[rope_lib.Rope, rope_lib.Rope]:
   """(RoPE of global layers, RoPE of local ones), from transformers 5's rope_parameters or
   the older rope_theta / rope_scaling (/ rope_local_base_freq), in the config.json as given."""
   theta = cfg.get('rope_theta') or family.defaults['rope_theta']
@@ -213,13 +142,14 @@ def _ropes(cfg: Mapping, family: Family, gemma3: bool) -> tuple[Rope, Rope]:
       raise UserError(f'config.json gives both rope_parameters and {clash[0]}; keep one form')
     params = cfg['rope_parameters'] or {}
     if gemma3:
-      return (_rope(params.get('full_attention') or {}, 'rope_parameters.full_attention', theta),
-              _rope(params.get('sliding_attention') or {}, 'rope_parameters.sliding_attention',
-                    local_theta))
-    rope = _rope(params, 'rope_parameters', theta)
+      return (rope_lib.from_entry(params.get('full_attention') or {},
+                                  'rope_parameters.full_attention', theta),
+              rope_lib.from_entry(params.get('sliding_attention') or {},
+                                  'rope_parameters.sliding_attention', local_theta))
+    rope = rope_lib.from_entry(params, 'rope_parameters', theta)
     return rope, rope
-  rope = _rope(cfg.get('rope_scaling') or {}, 'rope_scaling', theta)
-  return rope, (Rope(theta=float(local_theta)) if gemma3 else rope)
+  rope = rope_lib.from_entry(cfg.get('rope_scaling') or {}, 'rope_scaling', theta)
+  return rope, (rope_lib.Rope(theta=float(local_theta)) if gemma3 else rope)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +172,8 @@ class DecoderConfig:
   mlp_bias: bool
   layer_types: tuple[str, ...]  # per layer, one of LAYER_TYPES
   sliding_window: int | None  # keys within this distance of the query, on sliding layers
-  rope: Rope
-  local_rope: Rope  # of the sliding layers; the same as `rope` except in Gemma 3
+  rope: rope_lib.Rope
+  local_rope: rope_lib.Rope  # of the sliding layers; the same as `rope` except in Gemma 3
   query_pre_attn_scalar: float | None = None  # scores scale by its ^-½; None: head_dim
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
@@ -274,7 +204,7 @@ class DecoderConfig:
     """The sliding window of `layer`, None for global attention."""
     return self.sliding_window if self.layer_types[layer] == 'sliding_attention' else None
 
-  def rope_of(self, layer: int) -> Rope:
+  def rope_of(self, layer: int) -> rope_lib.Rope:
     return self.local_rope if self.layer_types[layer] == 'sliding_attention' else self.rope
 
   @classmethod
