@@ -21,6 +21,7 @@ from editing.jobs import text_data
 from editing.models import gguf
 from editing.models import tokenizer as tokenizer_lib
 from editing.models.decoder_config import DecoderConfig
+from merging.jobs import inputs as inputs_lib
 from merging.jobs import merge
 from tests import tiny_gguf
 
@@ -123,11 +124,11 @@ def test_a_merge_reads_unlabeled_text_at_the_prompts_end_and_never_the_answer(ti
   for pairs in (examples, scrambled):
     rows = text_finetune.pairs(tokens, pairs, 24)
     task = text_finetune.TextTask('t', rows, rows, rows)
-    data = merge.text_task_data(encoder, params, task, 'test', train_examples=8)
+    data = inputs_lib.text_task_data(encoder, params, task, 'test', train_examples=8)
     assert data.labels is None and len(data.images) == 2  # one sample per row
     read.append(np.asarray(data.logits_fn(params, data.images)))
   np.testing.assert_array_equal(read[0], read[1])
-  train = merge.text_task_data(encoder, params, task, 'train', train_examples=1)
+  train = inputs_lib.text_task_data(encoder, params, task, 'train', train_examples=1)
   assert train.labels.tolist() == tokens.encode('9', add_special_tokens=False) + [2]
 
 

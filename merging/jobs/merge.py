@@ -22,13 +22,11 @@ is checked against the declaration before anything is written, and a result reco
 settings of the point chosen.
 """
 
-import dataclasses
 import json
 import os
 import time
 from typing import Any, NamedTuple
 
-import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -38,20 +36,18 @@ from editing import atomic
 from editing import evaluate
 from editing import settings as settings_lib
 from editing import sweep
-from editing import text_finetune
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.jobs import checks
 from editing.jobs import evaluate as evaluate_job
 from editing.jobs import experiment
 from editing.jobs import workdir as workdir_lib
-from editing.models import head as head_lib
 from editing.progress import Progress
 from editing.regimes.lora import LoRA
 import merging
-from merging import common
 from merging import lines
 from merging.jobs import continual
+from merging.jobs import inputs as inputs_lib
 from merging.jobs import report
 
 # config.merge: which methods, λ's grid, and what the data-driven methods read. (Each method's
@@ -174,7 +170,7 @@ def merge_regime(exp: experiment.Experiment, regime: str, methods: list[str]) ->
   data, heads = exp.data(), exp.heads()
   finetuned = evaluate.finetuned_accuracy(evaluator, theta0, vectors, heads, data)
   pretrained = evaluator.accuracies(theta0, theta0, {t: (heads[t], data[t].test) for t in names})
-  inputs = MergeInputs(config, experiment.regime(config, regime).encoder(exp.apply_fn), theta0,
+  inputs = inputs_lib.MergeInputs(config, experiment.regime(config, regime).encoder(exp.apply_fn), theta0,
                        exp.apply_fn, heads, data)
   results = {}
   for name in methods + [m + LINES for m in lines_methods(config)]:
@@ -230,74 +226,6 @@ def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
           'eval': evaluation, **experiment.data_settings(config, 'train_size')}
 
 
-@dataclasses.dataclass(frozen=True)
-class MergeInputs:
-  """What a method may read besides the task vectors (`merging.INPUTS`), built on demand."""
-
-  config: ml_collections.ConfigDict
-  encoder: Any
-  theta0: Any
-  apply_fn: Any
-  heads: dict
-  data: dict  # task name -> suite.Task
-  extra: dict = dataclasses.field(default_factory=dict)  # e.g. the oracle's trigger
-
-  def task_data(self, split: str) -> dict[str, common.TaskData]:
-    """Each task's logits_fn (the regime's encoder, its frozen head) and inputs: the first
-    config.merge.train_examples labeled training examples, or every unlabeled test input (a
-    decoder's: `text_task_data`)."""
-    if experiment.is_decoder(self.config):
-      return {t: text_task_data(self.encoder, self.theta0, task, split,
-                                self.config.merge.train_examples)
-              for t, task in self.data.items()}
-    out = {}
-    for t, task in self.data.items():
-      logits_fn = head_lib.logits_fn(self.encoder, self.theta0, self.heads[t],
-                                     self.config.head.logit_scale)
-      if split == 'train':
-        n = min(self.config.merge.train_examples, len(task.train))
-        images, labels = task.train.batch(np.arange(n))
-        out[t] = common.TaskData(logits_fn, images, labels)
-      else:
-        images, _ = task.test.batch(np.arange(len(task.test)))
-        out[t] = common.TaskData(logits_fn, images)
-    return out
-
-  def read_by(self, name: str) -> dict:
-    """The keyword inputs method `name` reads."""
-    method = merging.get(name)
-    available = {'key': jax.random.PRNGKey(self.config.merge.seed), 'theta0': self.theta0,
-                 'apply_fn': self.apply_fn, **self.extra}
-    missing = [r for r in method.reads if r != 'data' and r not in available]
-    if missing:
-      raise UserError(f'{name} reads {missing}, which this experiment does not provide')
-    reads = {k: available[k] for k in method.reads if k != 'data'}
-    if 'data' in method.reads:
-      reads['data'] = self.task_data(method.split)
-    return reads
-
-
-def text_task_data(encoder, theta0, task: text_finetune.TextTask, split: str,
-                   train_examples: int) -> common.TaskData:
-  """A text task as a data-driven merge reads it (`merging.common.TaskData`), each answer
-  token one sample read at the position before it: on 'train', every answer token of the
-  first `train_examples` training rows, labeled; on 'test', the first answer token of every
-  test row, unlabeled, so that what is read there sees the prompt alone and never the answer.
-  `encoder` is the regime's encoder(θ0, params, inputs)."""
-  if split == 'train':
-    data = task.train.take(train_examples)
-  else:
-    data = task.test
-    first = np.argmax(data.loss_mask > 0, axis=1)
-    only_first = np.zeros_like(data.loss_mask)
-    only_first[np.arange(len(data)), first] = 1
-    data = dataclasses.replace(data, loss_mask=only_first)
-  inputs = text_finetune.answer_token_inputs(data)
-  labels = data.tokens[np.nonzero(data.loss_mask)] if split == 'train' else None
-  return common.TaskData(
-      lambda params, x: text_finetune.read_logits(encoder(theta0, params, x), x), inputs, labels)
-
-
 class Chosen(NamedTuple):
   vector: Any  # the merged TaskVector ({task: its vector} for a per-task method)
   params: Any  # θ0 + λ·τ_m at the chosen λ ({task: θ0 + τ'_t} for a per-task method)
@@ -322,7 +250,7 @@ def _method(name: str) -> str:
   return name[:-len(LINES)] if name.endswith(LINES) else name
 
 
-def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: MergeInputs,
+def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: inputs_lib.MergeInputs,
                evaluator: evaluate.Evaluator, finetuned: dict) -> Chosen:
   """Merges with every setting of the method's grid and keeps the one (and the λ) with the best
   mean normalized validation accuracy; test accuracy reported there.
@@ -381,7 +309,7 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: Me
 
 
 def _best_per_task(config: ml_collections.ConfigDict, name: str, vectors, reads: dict,
-                   inputs: MergeInputs, evaluator: evaluate.Evaluator,
+                   inputs: inputs_lib.MergeInputs, evaluator: evaluate.Evaluator,
                    finetuned: dict) -> Chosen:
   """A method that keeps a vector per task, each task's model θ0 + τ'_t scored on its own
   data: each task's setting chosen on its own validation accuracy, as the TALL-mask paper

@@ -37,6 +37,7 @@ from editing.jobs import finetune
 from editing.jobs import pretrain
 from editing.jobs import workdir as workdir_lib
 from editing.progress import Progress
+from merging.jobs import inputs as inputs_lib
 from merging.jobs import merge
 from merging.jobs import report
 
@@ -112,8 +113,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         seeded = _seeded(config, seed)
         scenario = [vectors[seed, g if t in poisoned else None, t] for t in names]
         finetuned = evaluate.finetuned_accuracy(evaluator, theta0, scenario, heads, data)
-        inputs = merge.MergeInputs(seeded, regime.encoder(apply_fn), theta0, apply_fn, heads,
-                                   data, extra={'trigger': trigger_fns[g]})
+        inputs = inputs_lib.MergeInputs(seeded, regime.encoder(apply_fn), theta0, apply_fn, heads,
+                                       data, extra={'trigger': trigger_fns[g]})
         for name in methods:
           directory = os.path.join(workdir_lib.safety_dir(workdir), f'seed_{seed}',
                                    f'{g}_{count}', name)
