@@ -180,14 +180,8 @@ def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
     raise UserError(f'the fine-tuned models of {unlearned} classify no validation or test '
                     'example correctly, so accuracy normalized by theirs is undefined; '
                     'fine-tune longer or check the data')
-  curve = []
-  progress = Progress('task addition', len(alphas), unit='edits')
-  for alpha in alphas:
-    params = evaluator.edit(theta0, vector, alpha)
-    accs = evaluator.accuracies(theta0, params, {t: (heads[t], val[t]) for t in names})
-    normalized = float(np.mean([accs[t] / finetuned[t]['val'] for t in names]))
-    curve.append({'alpha': alpha, 'val': accs, 'normalized_val': normalized})
-    progress.advance()
+  curve = addition_curve(evaluator, theta0, vector, heads=heads, val=val,
+                         finetuned_val={t: finetuned[t]['val'] for t in names}, alphas=alphas)
   best = max(curve, key=lambda point: point['normalized_val'])
   params = evaluator.edit(theta0, vector, best['alpha'])
   accs = evaluator.accuracies(theta0, params, {t: (heads[t], test[t]) for t in names})
@@ -195,6 +189,23 @@ def task_addition(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
   return {'alpha': best['alpha'], 'test': accs, 'normalized_test': normalized,
           'mean_test': float(np.mean(list(accs.values()))),
           'mean_normalized_test': float(np.mean(list(normalized.values()))), 'curve': curve}
+
+
+def addition_curve(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *,
+                   heads: Mapping[str, Any], val: Mapping[str, Dataset],
+                   finetuned_val: Mapping[str, float], alphas: Sequence[float]) -> list[dict]:
+  """Per α, the validation accuracies of θ0 + α·vector and their mean normalized by each
+  task's own fine-tuned validation accuracy `finetuned_val` (each above 0)."""
+  names = list(heads)
+  curve = []
+  progress = Progress('task addition', len(alphas), unit='edits')
+  for alpha in alphas:
+    params = evaluator.edit(theta0, vector, alpha)
+    accs = evaluator.accuracies(theta0, params, {t: (heads[t], val[t]) for t in names})
+    normalized = float(np.mean([accs[t] / finetuned_val[t] for t in names]))
+    curve.append({'alpha': alpha, 'val': accs, 'normalized_val': normalized})
+    progress.advance()
+  return curve
 
 
 def task_negation(evaluator: Evaluator, theta0: PyTree, vector: TaskVector, *, head,

@@ -169,10 +169,9 @@ def run(name: str, vectors: list[TaskVector], values: dict) -> list[TaskVector]:
   (whose settings `values` are, checked)."""
   check_compatible(vectors, name)
   running, _ = METHODS[name]
-  vector_values = {k: v for k, v in values.items() if k == 'scale'}
   state = running.start(vectors[0], **values)
-  out = [running.vector(state, **vector_values)]
+  out = [running.vector(state, **values)]
   for arriving in vectors[1:]:
     state = running.step(state, arriving, **values)
-    out.append(running.vector(state, **vector_values))
+    out.append(running.vector(state, **values))
   return out

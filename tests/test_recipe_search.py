@@ -38,6 +38,9 @@ def test_ties_go_to_fewer_steps_then_the_smaller_rate():
   for p, addition in zip(points, (0.5, 0.7, 0.7, 0.6, 0.4)):
     p['addition_val'] = addition
   assert recipe_search.choose(points, 'addition') == points[2]
+  # A point whose addition is unscored (a task it did not learn) is not chosen by addition.
+  points[2]['addition_val'] = None
+  assert recipe_search.choose(points, 'addition') == points[1]
 
 
 def searched(scores):

@@ -166,7 +166,8 @@ def table(search: dict) -> str:
       if p == result['chosen']:
         mark = '  <- chosen' + (f' ({" and ".join(edges)} on the grid\'s edge)' if edges else '')
       mark += ''.join(f'  <- by {by}' for by, other in others.items() if p == other)
-      addition = f'{100 * p["addition_val"]:13.1f}' if 'addition_val' in p else f'{"":>13}'
+      addition = (f'{100 * p["addition_val"]:13.1f}' if p.get('addition_val') is not None
+                  else f'{"":>13}')
       lines.append(f'{regime:>15} {p["learning_rate"]:8.0e} {p["steps"]:6d} '
                    f'{100 * p["mean_val"]:9.1f} {addition}{mark}')
   return '\n'.join(lines)

@@ -240,22 +240,25 @@ def choose(scored: list[dict], by: str = 'single_task') -> dict:
   normalized validation accuracy of task addition; ties go to fewer steps, then the smaller
   learning rate."""
   key = SELECT[by]
-  return max(scored, key=lambda p: (p[key], -p['steps'], -p['learning_rate']))
+  # A point whose addition is not scored (a task it did not learn) is chosen by addition last.
+  return max(scored, key=lambda p: (-np.inf if p[key] is None else p[key], -p['steps'],
+                                    -p['learning_rate']))
 
 
 def _addition_val(config: ml_collections.ConfigDict, exp: experiment.Experiment, evaluator,
-                  vectors: list, single: dict) -> tuple[float, float]:
+                  vectors: list, single: dict) -> tuple[float | None, float | None]:
   """(the best over α of the mean over tasks of θ0 + α·Σ τ_t's validation accuracy, each
   normalized by the task's single-task validation accuracy `single`; that α), on
-  config.eval's α grid."""
-  total = sum(vectors[1:], vectors[0])
-  scored = {t: (exp.head(t), exp.task(t).val) for t in exp.tasks}
-  best = (-1.0, 0.0)
-  for alpha in evaluate_lib.alpha_grid(config.eval.alpha_step):
-    accuracy = evaluator.accuracies(exp.theta0, evaluator.edit(exp.theta0, total, alpha), scored)
-    normalized = float(np.mean([accuracy[t] / max(single[t], 1e-9) for t in exp.tasks]))
-    best = max(best, (normalized, alpha))
-  return best
+  config.eval's α grid (`editing.evaluate.addition_curve`); (None, None) where a task's
+  single-task accuracy is 0, which leaves the normalization undefined."""
+  if not all(single.values()):
+    return None, None
+  curve = evaluate_lib.addition_curve(
+      evaluator, exp.theta0, sum(vectors[1:], vectors[0]),
+      heads={t: exp.head(t) for t in exp.tasks}, val={t: exp.task(t).val for t in exp.tasks},
+      finetuned_val=single, alphas=evaluate_lib.alpha_grid(config.eval.alpha_step))
+  best = max(curve, key=lambda point: point['normalized_val'])
+  return best['normalized_val'], best['alpha']
 
 
 def _check_targets(config: ml_collections.ConfigDict, workdir: str,
