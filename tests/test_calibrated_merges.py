@@ -145,3 +145,33 @@ def test_refusals(tmp_path):
   with pytest.raises(UserError, match='empty.txt'):
     calibrated.read({'file': str(empty), 'field': 'text', 'length': 8, 'windows': 4}, base)
   assert not os.path.exists(output) and not os.path.exists(output + '.partial')
+
+
+def test_a_killed_merge_resumes_to_the_same_bits(tmp_path, monkeypatch):
+  """Shards of one layer each: a merge stopped in its last layer resumes from its finished
+  shards, and writes what an uninterrupted merge writes."""
+  _, _, _, (base, *models) = _models(tmp_path, FAMILIES['llama, untied head'])
+  data = _windows(base)
+  plan = plan_lib.Plan('regmean_plusplus', {'batch_size': 4}, shard_bytes=4096)
+  whole = str(tmp_path / 'whole')
+  job.merge(base, models, whole, plan, calibration=data)
+  make = calibrated.LayerMerge._make  # pylint: disable=protected-access
+
+  def stopped(self, stage):
+    if stage == self.config.num_layers:
+      raise KeyboardInterrupt
+    return make(self, stage)
+
+  monkeypatch.setattr(calibrated.LayerMerge, '_make', stopped)
+  resumed = str(tmp_path / 'resumed')
+  with pytest.raises(KeyboardInterrupt):
+    job.merge(base, models, resumed, plan, calibration=data)
+  finished = [f for f in os.listdir(resumed + '.partial') if f.endswith('.safetensors')]
+  assert finished
+  monkeypatch.setattr(calibrated.LayerMerge, '_make', make)
+  job.merge(base, models, resumed, plan, calibration=data)
+  for name in sorted(os.listdir(whole)):
+    if name.endswith('.safetensors') or name.endswith('.json'):
+      with open(os.path.join(whole, name), 'rb') as a, \
+          open(os.path.join(resumed, name), 'rb') as b:
+        assert a.read() == b.read(), name

@@ -145,7 +145,9 @@ class LayerMerge:
   prepare tensors ahead."""
 
   def __init__(self, base: hf.Reader, models: Sequence[hf.Reader], method: str, values: dict,
-               scale: float, data: Calibration):
+               scale: float, data: Calibration, wanted: set[str] | None = None):
+    """`wanted`: the tensors `tensor` will be asked for (default every one); the others'
+    stages still run, for the streams, but their tensors are not kept."""
     if method not in METHODS:
       raise ValueError(f'{method} is not a calibrated merge')
     self.config = DecoderConfig.from_hf(base.config)
@@ -153,6 +155,7 @@ class LayerMerge:
     self._plusplus = merging.get(method).streams == 'merged'
     self._alpha, self._batch = values['alpha'], values['batch_size']
     self._scale, self._data = scale, data
+    self._wanted = set(base.files) if wanted is None else set(wanted)
     rules = hf_decoder.rules(self.config)
     self._stage = _stages(self.config, base.files)
     self._rules = {stage: [r for r in rules if self._stage[r[1]] == stage]
@@ -204,6 +207,7 @@ class LayerMerge:
         if self._stage[name] == 0 and name not in theirs:
           theirs[name] = (theirs[hf_decoder.EMBEDDING] if name == hf_decoder.TIED_HEAD
                           else self._base.tensor(name))
+    theirs = {n: x for n, x in theirs.items() if n in self._wanted}
     if self._scale != 1:
       theirs = {n: self._scaled(n, x) for n, x in theirs.items()}
     return theirs

@@ -196,24 +196,16 @@ def _write_shards(partial: output_lib.Partial, models, plan, shards, count, posi
 def _write_calibrated(partial: output_lib.Partial, plan: plan_lib.Plan, shards,
                       calibration: calibrated.Calibration) -> None:
   """The shards of a data-driven merge, its tensors made a layer at a time in the order the
-  shards hold them (a resumed merge runs the layers of the finished shards again, and keeps
-  their files)."""
+  shards hold them (a resumed merge runs every layer again, for the streams, and keeps only
+  the tensors of the shards not yet written)."""
   base_ckpt, *ckpts = partial.readers
+  wanted = {name for shard in shards if not partial.has(shard.file) for name in shard.names}
   layers = calibrated.LayerMerge(base_ckpt, ckpts, plan.method, plan.settings, plan.scale,
-                                 calibration)
+                                 calibration, wanted)
   dtypes = {name: dtype for shard in shards for name, _, dtype in shard.entries}
-  start = time.time()
-  for shard in shards:
-    if not partial.has(shard.file):
-      pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries,
-                              lambda name: layers.tensor(name).astype(dtypes[name]).reshape(-1),
-                              lambda whole, first, end: whole[first:end], plan.prefetch)
-      partial.shard_done()
-    else:
-      for name in shard.names:
-        layers.tensor(name)
-    logging.info('%s: written, %.0f s', shard.file, time.time() - start)
-  safetensors_io.write_index(partial.path, shards)
+  pipeline.write_shards(partial, shards,
+                        lambda name: layers.tensor(name).astype(dtypes[name]).reshape(-1),
+                        lambda whole, first, end: whole[first:end], plan.prefetch)
 
 
 def _card(base: str, models: Sequence[str], plan: plan_lib.Plan, recipe: str | None) -> str:
