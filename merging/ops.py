@@ -4,13 +4,13 @@ deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
 Their arguments are the methods' settings, checked where each method declares them."""
 
 import functools
-import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from editing import lora
 from editing import tree as tree_lib
 from merging import sparsity
 
@@ -149,8 +149,8 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
 
 class Matrix(NamedTuple):
   """How a leaf reads as a matrix W of (outputs, inputs), as PyTorch stores a Linear's weight:
-  a flax kernel (its input axes, then its output axes, those of its bias) is flattened to
-  (inputs, outputs) and transposed; any other 2-D leaf (a PyTorch weight, an embedding table)
+  a flax kernel (its input axes, then its output axes) is flattened to (inputs, outputs) and
+  transposed; any other 2-D leaf (a PyTorch weight, an embedding table)
   is read as it is."""
 
   inputs: int
@@ -167,19 +167,18 @@ class Matrix(NamedTuple):
 def matrices(delta: PyTree) -> dict[str, Matrix | None]:
   """{path: its matrix view, or None}: the leaves the SVD-era merges treat as linear layers.
 
-  Dense and attention kernels (2-D and 3-D flax kernels, the output axes read from the
-  bias's rank) and other 2-D leaves are matrices; convolutions, biases (an attention bias is
-  2-D here, 1-D in PyTorch), norms and vectors are not
-  (the methods average them), as in FusionBench, whose PyTorch tensors are 2-D exactly there.
+  Dense and attention kernels (2-D and 3-D flax kernels, read as LoRA reads them:
+  `lora.matrix_shape`) and other 2-D leaves are matrices; convolutions, biases (an attention
+  bias is 2-D here, 1-D in PyTorch), norms and vectors are not (the methods average them), as
+  in FusionBench, whose PyTorch tensors are 2-D exactly there. A kernel's shape cannot say
+  which of its axes are outputs (a query kernel (in, heads, dim) and an output one (heads,
+  dim, out) are both 3-D), and a bias is not always there to say it, so the layer's name does.
   """
-  flat = tree_lib.flatten(delta)
   views = {}
-  for path, x in flat.items():
+  for path, x in tree_lib.flatten(delta).items():
     shape = np.shape(x)
     if path.endswith('kernel') and len(shape) in (2, 3):
-      bias = flat.get(path[:-len('kernel')] + 'bias')
-      outputs = np.ndim(bias) if bias is not None else 1
-      views[path] = Matrix(math.prod(shape[:-outputs]), math.prod(shape[-outputs:]), True)
+      views[path] = Matrix(*lora.matrix_shape(path, shape), True)
     elif len(shape) == 2 and not path.endswith(('kernel', 'bias', 'scale')):
       views[path] = Matrix(shape[1], shape[0], False)
     else:

@@ -15,6 +15,7 @@ from editing.errors import UserError
 from editing.models import decoder
 from editing.models.decoder_config import DecoderConfig
 from editing.regimes import attention_only
+from merging import ops
 from tests.test_hf import random_model
 from third_party import hf_decoder
 
@@ -212,6 +213,20 @@ def test_tensors_that_do_not_fit_are_named(saved):
   with pytest.raises(UserError, match=r'missing model\.layers\.1\.self_attn\.k_proj\.weight; '
                      r'unexpected model\.extra\.weight; model\.norm\.weight has shape \(7,\)'):
     hf_decoder.to_params(tensors, config)
+
+
+def test_merges_read_each_layer_as_the_matrix_transformers_holds(saved):
+  """The matrix an SVD-era merge takes of each kernel (merging.ops.matrices) is the layer's
+  weight as transformers stores it, outputs × inputs: Llama's query, key and value kernels
+  (in, heads, dim) have no bias to tell their output axes."""
+  model, _, _, params = saved('llama')
+  theirs = [p.detach().numpy() for p in model.state_dict().values() if p.ndim == 2]
+  flat = tree_lib.flatten(params)
+  views = {path: view for path, view in ops.matrices(params).items() if view is not None}
+  assert 'blocks_0/attn/query/kernel' in views and 'blocks_0/attn/out/kernel' in views
+  for path, view in views.items():
+    ours = np.asarray(view.of(flat[path]))
+    assert any(t.shape == ours.shape and np.array_equal(t, ours) for t in theirs), path
 
 
 def test_params_take_the_regimes_and_the_sharding_rules(saved):
