@@ -1,6 +1,7 @@
 """The data-driven merges of decoder checkpoints, streamed a layer at a time
 (merging/checkpoints/calibrated.py), against the in-memory RegMean and RegMean++ of merging/ run
-on the whole decoder over the same windows; RegMean's defining property on a checkpoint (its
+on the whole decoder over the same windows, and the data-free matrix merges against the suite's
+merge of the same vectors; RegMean's defining property on a checkpoint (its
 solution minimises the summed regression loss of each layer); the refusals."""
 
 import os
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import merging
 from editing import text_finetune
 from editing import tree as tree_lib
 from editing.errors import UserError
@@ -102,6 +104,25 @@ def test_streamed_equals_in_memory(tmp_path, family, method):
                          mean['blocks_1/mlp/down/kernel'], atol=1e-3)
   np.testing.assert_allclose(flat_streamed['blocks_1/input_norm/scale'],
                              mean['blocks_1/input_norm/scale'], rtol=1e-6)
+
+
+def test_matrix_merges_of_checkpoints_equal_the_suites(tmp_path):
+  """A decoder's fine-tunes merged by Iso-CTS as checkpoints (each layer as transformers holds
+  it) and their task vectors merged as the text suite merges them (flax kernels, whose query
+  kernels have no bias) give one model: both read every layer as the same matrix
+  (`merging.ops.matrices`, which every SVD-era merge reads)."""
+  method = 'iso_cts'
+  _, theta0, tuned, (base, *models) = _models(tmp_path, FAMILIES['llama, untied head'])
+  output = str(tmp_path / 'merged')
+  job.merge(base, models, output, plan_lib.Plan(method, {}, scale=0.5))
+  _, streamed = hf_decoder.load(output)
+  vectors = [TaskVector.from_params(theta0, p, task=f't{i}', regime='full')
+             for i, p in enumerate(tuned)]
+  in_memory = merging.get(method).merge(vectors).apply_to(theta0, 0.5)
+  flat_streamed, flat_memory = tree_lib.flatten(streamed), tree_lib.flatten(in_memory)
+  assert flat_streamed.keys() == flat_memory.keys()
+  for path, value in flat_memory.items():
+    np.testing.assert_allclose(flat_streamed[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def test_regmean_minimises_each_layers_regression_loss(tmp_path):
