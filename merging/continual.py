@@ -16,8 +16,8 @@ state never holds an earlier task's vector: it is the running merge and a few sc
 
 OPCM keeps Δ, the merge normalised to the mean norm n̄_t of the task vectors seen, and λ_t with
 λ_t·Δ_t the unnormalised sum. Starting from Δ_1 = τ_1, λ_1 = 1, for every linear weight (a
-kernel, as a matrix: (in, out), or (heads·dim, out) for an attention output) with the full
-SVD Δ_{t−1} = U S Vᵀ:
+kernel, as the matrix every SVD-era merge reads: `ops.matrices`) with the full SVD
+Δ_{t−1} = U S Vᵀ:
 
   P = Uᵀ τ_t V,   P_ii = 0,   P[:r, :r] = 0,   r = the first i with Σ_{j≤i} S_j / Σ S > α,
   τ̃_t = U P Vᵀ,   S_t = λ_{t−1}·Δ_{t−1} + τ̃_t
@@ -40,6 +40,7 @@ from editing import settings
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import magmax
+from merging import ops
 from merging import ties
 
 PyTree = Any
@@ -105,18 +106,6 @@ def _opcm_start(first: TaskVector, *, alpha: float) -> dict:
   return {'merged': first, 'lambda': 1.0, 'norms': [float(_norm(first))]}
 
 
-def _is_linear_weight(path: str, x: jax.Array) -> bool:
-  return path.endswith('/kernel') and x.ndim in (2, 3)
-
-
-def _as_matrix(path: str, x: jax.Array) -> jax.Array:
-  """A kernel as the matrix its layer multiplies by: (in, out), the attention output's
-  (heads · dim, out)."""
-  if path.endswith('out/kernel'):
-    return x.reshape(-1, x.shape[-1])
-  return x.reshape(x.shape[0], -1)
-
-
 def project_out(merged: jax.Array, arriving: jax.Array, alpha: float) -> jax.Array:
   """τ̃ = U P Vᵀ, P = Uᵀ τ V less its diagonal and its top-left r × r block, for one matrix."""
   u, s, vt = jnp.linalg.svd(merged, full_matrices=True)
@@ -131,11 +120,13 @@ def project_out(merged: jax.Array, arriving: jax.Array, alpha: float) -> jax.Arr
 def _opcm_step(state: dict, arriving: TaskVector, *, alpha: float) -> dict:
   merged, lam = state['merged'], state['lambda']
   arrivals = tree_lib.flatten(arriving.delta)
+  views = ops.matrices(merged.delta)
 
   def combine(path, kept):
-    new = arrivals[path]
-    if _is_linear_weight(path, kept):
-      new = project_out(_as_matrix(path, kept), _as_matrix(path, new), alpha).reshape(new.shape)
+    new, view = arrivals[path], views[path]
+    # Kernels only: the authors project nn.Linear weights, not embeddings.
+    if view is not None and view.transposed:
+      new = view.back(project_out(view.of(kept), view.of(new), alpha), new.shape)
     return lam * kept + new
 
   summed = tree_lib.map_with_path(combine, merged.delta)
