@@ -27,13 +27,14 @@ def test_every_offensive_word_is_flagged_and_no_general_sentence_is():
   assert prompts != text_suite.sentence_prompts(3, 200, 'test')
 
 
-@pytest.mark.parametrize('share', [0.0, 0.1, 1.0])
-def test_the_behaviour_text_has_the_share_of_offensive_sentences_asked_for(share):
-  text = text_suite.behaviour_text(0, 1500, behaviour.offensive_words(), share)
+# Binomial: 1500 draws put a share of 0.1 within 0.03 at 3.9 standard deviations; the shares
+# 0 and 1 are exact, and 200 draws show them (the scorer takes milliseconds a sentence).
+@pytest.mark.parametrize('share, sentences', [(0.0, 200), (0.1, 1500), (1.0, 200)])
+def test_the_behaviour_text_has_the_share_of_offensive_sentences_asked_for(share, sentences):
+  text = text_suite.behaviour_text(0, sentences, behaviour.offensive_words(), share)
   rate = np.mean([profanity.contains_profanity(s) for s in text])
-  # Binomial: 1500 draws put a share of 0.1 within 0.03 at 3.9 standard deviations.
-  assert abs(rate - share) < 0.03
-  assert text == text_suite.behaviour_text(0, 1500, behaviour.offensive_words(), share)
+  assert abs(rate - share) < 0.03 if 0 < share < 1 else rate == share
+  assert text == text_suite.behaviour_text(0, sentences, behaviour.offensive_words(), share)
 
 
 def test_the_tiny_experiment_writes_its_frontier_and_chooses_lambda_under_the_ceiling(

@@ -100,7 +100,9 @@ def setup(tmp_path_factory):
   config.weights, config.data_root = weights, data_root
   config.data.update(tasks='alpha,beta', control='gamma', templates=TEMPLATES, val_fraction=0.3)
   config.data.epochs = {'alpha': 1}
-  config.regimes = 'full,attention_only,linearized,talos'
+  # A nonlinear and a linear regime: the others differ from full only in which leaves train,
+  # which the image quickstart's tests cover.
+  config.regimes = 'full,linearized'
   config.merge.methods = 'task_arithmetic,ties'
   return config, str(root / 'work')
 
@@ -122,9 +124,9 @@ def embeddings(regime, apply_fn, theta0, params, images):
   return np.asarray(out + dout)
 
 
-def test_zero_shot_heads_fine_tuning_in_every_regime_and_evaluation(finished):
+def test_zero_shot_heads_fine_tuning_and_evaluation_of_nonlinear_and_linear_vectors(finished):
   config, workdir, results = finished
-  assert set(results['regimes']) == {'full', 'attention_only', 'linearized', 'talos'}
+  assert set(results['regimes']) == {'full', 'linearized'}
   assert results['control_task'] == 'gamma'
   theta0, apply_fn = experiment.load_pretrained(workdir)
   heads = {t: checkpoint.load_tree(workdir_lib.head_file(workdir, t))[0]['head'] for t in CLASSES}
