@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import merging
+from editing import cuts
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector
 from merging import dare
@@ -242,11 +243,15 @@ def test_dare_draws_depend_only_on_the_key_the_task_and_the_path():
 
 @pytest.mark.parametrize('kind', ['normal', 'few_values', 'sorted', 'ramp_of_ties', 'with_nans'])
 @pytest.mark.parametrize('share', [1e-6, 0.2, 0.5, 0.9])
-def test_top_k_on_the_host_equals_the_traced_ranking_on_large_arrays(kind, share):
+def test_top_k_on_the_host_equals_the_traced_ranking_on_large_arrays(monkeypatch, kind, share):
   """A concrete array is ranked in numpy (`editing.cuts`, a chunk at a time), a traced one by
-  XLA's sort: the same masks, on arrays of several chunks whose ties span them."""
+  XLA's sort: the same masks, on arrays of several chunks whose ties span them, large enough
+  to be ranked from a sample (chunks and the sampled size made 16 times smaller, so that
+  XLA's sort takes moments)."""
+  monkeypatch.setattr(cuts, '_CHUNK', 1 << 14)
+  monkeypatch.setattr(cuts, '_SAMPLED', 1 << 16)
   rng = np.random.default_rng(0)
-  n = (1 << 20) + 3
+  n = (1 << 16) + 3
   values = {'normal': rng.standard_normal(n),
             'few_values': rng.integers(0, 5, n).astype(float),
             'sorted': np.sort(rng.standard_normal(n)),
