@@ -431,27 +431,33 @@ def test_lines_is_a_scale_gradient_over_the_layers(tmp_path, method, settings):
                                err_msg=n)
 
 
+# One plan of each way the engine reads and places a tensor: a block at a time, ranked over
+# all tensors, drawn and ranked, rescaled by L1 norms, ranked at both ends, and whole (by SVD,
+# by angles, by norms, by per-row ranks). Each method's own code on split arrays is
+# tests/test_sharding.py's.
+SPLIT = ('task_arithmetic', 'ties_global', 'dare_global', 'dare_l1_global', 'breadcrumbs',
+         'tsv_m', 'model_stock', 'slerp', 'della')
 SPLIT_MERGES = r'''
 import sys
 import jax
 from merging import checkpoints
-from tests.test_checkpoint_merging import PLANS, fixed_count
+from tests.test_checkpoint_merging import PLANS, SPLIT, fixed_count
 base, root = sys.argv[1:3]
 models = [f'{root}/ft{k}' for k in range(3)]
 assert len(jax.devices()) == 8
-for name, plan in PLANS.items():
-  checkpoints.merge(base, fixed_count(name, models), f'{root}/eight/{name}', plan)
+for name in SPLIT:
+  checkpoints.merge(base, fixed_count(name, models), f'{root}/eight/{name}', PLANS[name])
 '''
 
 
 def test_merges_split_over_eight_devices_write_the_bytes_of_one(tmp_path, run_python):
-  """Every method, each tensor split over 8 simulated devices where a dimension allows (the
-  Llama fixture's 16-, 32- and 8-row tensors), against one device: the same files."""
+  """Each tensor split over 8 simulated devices where a dimension allows (the Llama fixture's
+  16-, 32- and 8-row tensors), against one device: the same files."""
   base, models = fixture(str(tmp_path), shard_bytes=3000)
   run_python(['-c', SPLIT_MERGES, base, str(tmp_path)],
              env={'XLA_FLAGS': xla_flags(devices=8)})
-  for name, plan in PLANS.items():
-    checkpoints.merge(base, fixed_count(name, models), str(tmp_path / 'one' / name), plan)
+  for name in SPLIT:
+    checkpoints.merge(base, fixed_count(name, models), str(tmp_path / 'one' / name), PLANS[name])
     assert output_bytes(tmp_path / 'eight' / name) == output_bytes(tmp_path / 'one' / name), name
 
 
