@@ -150,8 +150,7 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
 class Matrix(NamedTuple):
   """How a leaf reads as a matrix W of (outputs, inputs), as PyTorch stores a Linear's weight:
   a flax kernel (its input axes, then its output axes) is flattened to (inputs, outputs) and
-  transposed; any other 2-D leaf (a PyTorch weight, an embedding table)
-  is read as it is."""
+  transposed; any other 2-D leaf (a PyTorch weight, an embedding table) is read as it is."""
 
   inputs: int
   outputs: int
