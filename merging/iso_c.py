@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import svd as svd_lib
 
 
 def isotropic(u: jnp.ndarray, s: jnp.ndarray, vt: jnp.ndarray) -> jnp.ndarray:
@@ -24,7 +25,7 @@ def isotropic(u: jnp.ndarray, s: jnp.ndarray, vt: jnp.ndarray) -> jnp.ndarray:
 
 
 def merge_matrix(matrices: list) -> jnp.ndarray:
-  return isotropic(*jnp.linalg.svd(sum(matrices), full_matrices=False))
+  return isotropic(*svd_lib.thin(sum(matrices)))
 
 
 def merge(task_vectors: Sequence[TaskVector]) -> TaskVector:

@@ -37,7 +37,7 @@ def subspace_sizes(rank: int, tasks: int, fraction: float) -> tuple[int, int]:
 
 def merge_matrix(matrices: list, fraction: float, svd: str) -> jnp.ndarray:
   k, s = subspace_sizes(min(matrices[0].shape), len(matrices), fraction)
-  u, sigma, vt = jnp.linalg.svd(sum(matrices), full_matrices=False)
+  u, sigma, vt = svd_lib.thin(sum(matrices))
   u_c, s_c, vt_c = u[:, :k], sigma[:k], vt[:k]
   us, ss, vts = [], [], []
   for w in matrices:

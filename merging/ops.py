@@ -13,6 +13,7 @@ import numpy as np
 from editing import lora
 from editing import tree as tree_lib
 from merging import sparsity
+from merging import svd
 
 PyTree = Any
 SCOPES = tree_lib.SCOPES
@@ -212,5 +213,5 @@ def per_matrix(task_vectors: Sequence[Any], merge_matrix: Callable[[list], jax.A
 
 def polar(a: jax.Array) -> jax.Array:
   """The orthogonal factor PQᵀ of A = PΣQᵀ: the nearest matrix with orthonormal columns."""
-  p, _, qt = jnp.linalg.svd(a, full_matrices=False)
+  p, _, qt = svd.thin(a)
   return p @ qt

@@ -44,9 +44,30 @@ SETTING = settings.choice('full', SOLVERS, 'how each matrix\'s top singular trip
 _HIGHEST = jax.lax.Precision.HIGHEST  # the sketch's products must not fall to tf32 or bf16
 
 
+def thin(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The thin SVD (U, σ, Vᵀ).
+
+  LAPACK's divide and conquer (gesdd, JAX's default on the CPU) fails to converge on some
+  nearly rank-deficient float32 matrices, and JAX then returns NaN: seen on Iso-CTS's stacked
+  Vᵀ of SmolLM2's LoRA vectors (σ from 8e-6 to 2.2). Such a matrix is taken again by the QR
+  algorithm (gesvd), which converged there to numpy's float64 values.
+  """
+  found = tuple(jnp.linalg.svd(matrix, full_matrices=False))
+  return jax.lax.cond(_finite(found), lambda m: found, _by_qr, matrix)
+
+
+def _finite(triplets) -> jax.Array:
+  return jnp.all(jnp.array([jnp.isfinite(x).all() for x in triplets]))
+
+
+def _by_qr(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  return jax.lax.linalg.svd(matrix, full_matrices=False,
+                            algorithm=jax.lax.linalg.SvdAlgorithm.QR)
+
+
 def exact(matrix: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(U[:, :k], σ[:k], Vᵀ[:k]) of the full SVD."""
-  u, s, vt = jnp.linalg.svd(matrix, full_matrices=False)
+  u, s, vt = thin(matrix)
   return u[:, :k], s[:k], vt[:k]
 
 
@@ -74,7 +95,7 @@ def top_singular(matrix: jax.Array, k: int, *, oversample: int = OVERSAMPLE,
   for _ in range(power_iterations):
     z = _orthonormal(jnp.matmul(matrix.T, q, precision=_HIGHEST))
     q = _orthonormal(jnp.matmul(matrix, z, precision=_HIGHEST))
-  u, s, vt = jnp.linalg.svd(jnp.matmul(q.T, matrix, precision=_HIGHEST), full_matrices=False)
+  u, s, vt = thin(jnp.matmul(q.T, matrix, precision=_HIGHEST))
   return jnp.matmul(q, u[:, :k], precision=_HIGHEST), s[:k], vt[:k]
 
 

@@ -1,6 +1,7 @@
 """The randomized truncated SVD against numpy's exact one, and the merges that may use it against
 their full-SVD selves."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,3 +131,19 @@ def test_a_randomized_merge_is_close_to_the_full_one(name, common, specific, giv
 def test_an_unknown_solver_is_refused_by_name():
   with pytest.raises(UserError, match=r"config.tsv_m.svd = 'lanczos': must be one of"):
     merging.check_settings('tsv_m', {'svd': 'lanczos'}, 'config.tsv_m')
+
+
+def test_an_svd_that_does_not_converge_is_taken_again_by_the_qr_algorithm(monkeypatch):
+  """`svd.thin` returns the default SVD where it is finite, and where it is not (LAPACK's
+  gesdd failing to converge, made to fail here) the QR algorithm's: numpy's singular values,
+  and factors that rebuild the matrix."""
+  a = jnp.asarray(with_spectrum(12, 7, np.geomspace(2.0, 1e-5, 7)), jnp.float32)
+  for got, want in zip(svd.thin(a), jnp.linalg.svd(a, full_matrices=False)):
+    np.testing.assert_array_equal(got, want)
+  failing = lambda m, full_matrices: tuple(jnp.full_like(x, jnp.nan) for x in
+                                           jax.lax.linalg.svd(m, full_matrices=full_matrices))
+  monkeypatch.setattr(jnp.linalg, 'svd', failing)
+  u, s, vt = svd.thin(a)
+  np.testing.assert_allclose(s, np.linalg.svd(np.asarray(a, np.float64), compute_uv=False),
+                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(u @ jnp.diag(s) @ vt, a, atol=1e-5)
