@@ -52,6 +52,7 @@ class Evaluator:
   def __init__(self, encoder: Encoder, *, mesh: jax.sharding.Mesh, batch_size: int,
                sharding_rules=sharding_lib.REPLICATED_RULES):
     sharding_lib.check_batch_size(mesh, batch_size, 'eval batch_size')
+    self.encoder = encoder
     self._batch_size = batch_size
     self._mesh, self._rules = mesh, sharding_rules
     self._batch = sharding_lib.batch_sharding(mesh)
@@ -59,6 +60,11 @@ class Evaluator:
     self._apply = jax.jit(lambda theta0, vector, alpha: vector.apply_to(theta0, alpha))
     self._apply_sum = jax.jit(lambda theta0, vectors, alphas: sum(
         v * a for v, a in zip(vectors, alphas)).apply_to(theta0))
+
+  def with_encoder(self, encoder: Encoder) -> 'Evaluator':
+    """An evaluator of the same mesh, batches and rules, scoring through `encoder`."""
+    return Evaluator(encoder, mesh=self._mesh, batch_size=self._batch_size,
+                     sharding_rules=self._rules)
 
   def place(self, params: PyTree) -> PyTree:
     """`params` on the mesh, by the rules (a no-op for params already placed so)."""

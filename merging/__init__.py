@@ -2,8 +2,8 @@
 
 Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m, or, where it keeps one
 vector per task (`Method.per_task`: EMR, TALL masks), a list of them, each applied to its own
-task's inputs. `REGISTRY` maps a
-method's config name to a `Method`: its `merge` function, what besides the task vectors it reads,
+task's inputs, or, where its merge is a model of its own (`Method.forward`: WEMoE's routed
+MLPs), that model. `REGISTRY` maps a method's config name to a `Method`: its `merge` function, what besides the task vectors it reads,
 whether λ is free (chosen on validation, like task arithmetic's, on 0 … `lambda_max`) or the
 merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging and DAM, whose
 coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
@@ -63,6 +63,7 @@ from merging import tall_masks
 from merging import task_arithmetic
 from merging import ties
 from merging import tsv_m
+from merging import wemoe
 from merging import wudi
 from merging.translation import gta
 from merging.translation import Translation
@@ -119,6 +120,9 @@ class Method:
   # (merging/checkpoints/calibrated.py), where it can: each model's stream goes on through its
   # own layer ('own', RegMean) or through the merged one ('merged', RegMean++).
   streams: str | None = None
+  # Where its merge is a model of its own rather than a vector (WEMoE's routed MLPs): the
+  # encoder(θ0, model, inputs) that runs it, from a regime's encoder(θ0, params, inputs).
+  forward: Callable | None = None
 
   def __post_init__(self):
     unknown = sorted(set(self.reads) - set(INPUTS))
@@ -131,7 +135,7 @@ class Method:
   def data_free(self) -> bool:
     """Whether it reads nothing but the task vectors, θ0 and a key: it can stream
     checkpoints."""
-    return set(self.reads) <= {'key', 'theta0'} and not self.per_task
+    return set(self.reads) <= {'key', 'theta0'} and not self.per_task and not self.forward
 
   @property
   def weighted(self) -> bool:
@@ -147,6 +151,7 @@ class Method:
 
 _SPHERICAL = dict(reads=('theta0',), scaled=False, whole_tensor=True, elementwise=False)
 _LEARNED = dict(reads=('theta0', 'data', 'key'), scaled=False, split='test')
+_UPSCALED = dict(_LEARNED, forward=wemoe.encoder, refused_regimes=regimes.TANGENT)
 _DAM = dict(_LEARNED, section='dam', perturbs_inputs=True)
 _LOW_RANK = dict(low_rank=True, whole_tensor=True, elementwise=False)
 # mergekit's defaults shared by its methods: DARE's and DELLA's L1 rescale, Breadcrumbs' band.
@@ -177,6 +182,10 @@ REGISTRY: dict[str, Method] = {
     'consensus': Method(consensus.merge),
     'tall_masks': Method(tall_masks.merge, scaled=False, per_task=True),
     'emr': Method(emr.merge, scaled=False, per_task=True),
+    # WEMoE: the MLPs upscaled over the task vectors, routed per sample by routers trained on
+    # unlabeled test inputs; a model of its own, run by its forward.
+    'wemoe': Method(wemoe.merge, **_UPSCALED),
+    'e_wemoe': Method(wemoe.merge_efficient, **_UPSCALED),
     'magmax': Method(magmax.merge),
     # Localize-and-Stitch: each vector on its own small region, overlaps averaged.
     'dataless_localize_stitch': Method(localize_stitch.merge_dataless, scaled=False,

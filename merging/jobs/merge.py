@@ -46,6 +46,7 @@ from editing.progress import Progress
 from editing.regimes.lora import LoRA
 import merging
 from merging import lines
+from merging import wemoe
 from merging.jobs import continual
 from merging.jobs import inputs as inputs_lib
 from merging.jobs import report
@@ -227,8 +228,9 @@ def settings_used(config: ml_collections.ConfigDict, name: str) -> dict:
 
 
 class Chosen(NamedTuple):
-  vector: Any  # the merged TaskVector ({task: its vector} for a per-task method)
-  params: Any  # θ0 + λ·τ_m at the chosen λ ({task: θ0 + τ'_t} for a per-task method)
+  vector: Any  # the merged TaskVector ({task: its vector} for a per-task method; a model)
+  params: Any  # θ0 + λ·τ_m at the chosen λ ({task: θ0 + τ'_t} for a per-task method; the
+  # model's parts, for a method whose merge is a model)
   summary: dict  # hyperparameters, λ, validation score, test accuracies
 
 
@@ -269,6 +271,8 @@ def best_merge(config: ml_collections.ConfigDict, name: str, vectors, inputs: in
   names = list(inputs.data)
   if method.per_task:
     return _best_per_task(config, name, vectors, reads, inputs, evaluator, finetuned)
+  if method.forward:
+    return _best_model(config, name, vectors, reads, inputs, evaluator, finetuned)
   grid = (evaluate.alpha_grid(config.merge.lambda_step, method.lambda_max) if method.scaled
           else [1.0])
   best = None
@@ -338,6 +342,39 @@ def _best_per_task(config: ml_collections.ConfigDict, name: str, vectors, reads:
                summary['mean_test'], summary['mean_normalized_test'])
   return Chosen({t: best[t][2] for t in names},
                 {t: best[t][2].apply_to(theta0, 1.0) for t in names}, summary)
+
+
+def _best_model(config: ml_collections.ConfigDict, name: str, vectors, reads: dict,
+                inputs: inputs_lib.MergeInputs, evaluator: evaluate.Evaluator,
+                finetuned: dict) -> Chosen:
+  """A method whose merge is a model of its own (WEMoE), scored through its forward: the
+  setting with the best mean normalized validation accuracy, test accuracy read there, and
+  the model's bytes beyond θ0."""
+  method, names, theta0 = merging.get(name), list(inputs.data), inputs.theta0
+  scorer = evaluator.with_encoder(method.forward(evaluator.encoder))
+  best = None
+  for settings in hyperparameter_grid(config, name):
+    logging.info('%s: merging with %s', name, settings or 'defaults')
+    model = method.merge(vectors, **reads, **settings)
+    tree_lib.check_finite(model, f'the {name} model with {settings or "defaults"}')
+    val = scorer.accuracies(theta0, model, {t: (inputs.heads[t], inputs.data[t].val)
+                                            for t in names})
+    score = float(np.mean([val[t] / finetuned[t]['val'] for t in names]))
+    if best is None or score > best[0]:
+      best = (score, settings, model)
+  score, settings, model = best
+  test = scorer.accuracies(theta0, model, {t: (inputs.heads[t], inputs.data[t].test)
+                                           for t in names})
+  normalized = {t: test[t] / finetuned[t]['test'] for t in names}
+  summary = {'hyperparameters': settings, 'swept': swept(config, name), 'lambda': 1.0,
+             'normalized_val': score, 'test': test, 'normalized_test': normalized,
+             'mean_test': float(np.mean(list(test.values()))),
+             'mean_normalized_test': float(np.mean(list(normalized.values()))),
+             'bytes_beyond_theta0': wemoe.stored_bytes(model, theta0)}
+  logging.info('%s: mean test %.3f (normalized %.3f), %d bytes beyond θ0', name,
+               summary['mean_test'], summary['mean_normalized_test'],
+               summary['bytes_beyond_theta0'])
+  return Chosen(model, model._asdict(), summary)
 
 
 def _save_params(path: str, params) -> None:
