@@ -41,6 +41,7 @@ from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import magmax
 from merging import ops
+from merging import svd
 from merging import ties
 
 PyTree = Any
@@ -108,7 +109,7 @@ def _opcm_start(first: TaskVector, *, alpha: float) -> dict:
 
 def project_out(merged: jax.Array, arriving: jax.Array, alpha: float) -> jax.Array:
   """τ̃ = U P Vᵀ, P = Uᵀ τ V less its diagonal and its top-left r × r block, for one matrix."""
-  u, s, vt = jnp.linalg.svd(merged, full_matrices=True)
+  u, s, vt = svd.complete(merged)
   share = jnp.cumsum(s) / jnp.sum(s)
   split = jnp.argmax(share > alpha)
   p = u.T @ arriving @ vt.T

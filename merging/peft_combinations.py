@@ -38,6 +38,7 @@ from editing.lora import LowRank
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import svd
 
 COMBINATIONS = ('cat', 'linear', 'svd', 'ties', 'ties_svd', 'dare_linear', 'dare_ties',
                 'dare_linear_svd', 'dare_ties_svd', 'magnitude_prune', 'magnitude_prune_svd')
@@ -106,7 +107,7 @@ def _factor_merge(factors: list[LowRank], weights, combination, *, density, majo
   rank = svd_rank or max(f.rank for f in factors)
   if rank > min(delta.shape):
     raise UserError(f'peft_{combination}: svd_rank {rank} exceeds the {delta.shape} ΔW of {path}')
-  u, s, vt = jnp.linalg.svd(delta, full_matrices=False)
+  u, s, vt = svd.thin(delta)
   b, a = u[:, :rank] * s[:rank], vt[:rank]
   if svd_clamp is not None:
     high = jnp.quantile(jnp.concatenate([b.ravel(), a.ravel()]), svd_clamp)

@@ -52,17 +52,24 @@ def thin(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   Vᵀ of SmolLM2's LoRA vectors (σ from 8e-6 to 2.2). Such a matrix is taken again by the QR
   algorithm (gesvd), which converged there to numpy's float64 values.
   """
-  found = tuple(jnp.linalg.svd(matrix, full_matrices=False))
-  return jax.lax.cond(_finite(found), lambda m: found, _by_qr, matrix)
+  return _converged(matrix, full_matrices=False)
+
+
+def complete(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The complete SVD (U m × m, σ, Vᵀ n × n), taken again as `thin` takes it where the
+  default does not converge."""
+  return _converged(matrix, full_matrices=True)
+
+
+def _converged(matrix: jax.Array, full_matrices: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  found = tuple(jnp.linalg.svd(matrix, full_matrices=full_matrices))
+  by_qr = lambda m: jax.lax.linalg.svd(m, full_matrices=full_matrices,
+                                       algorithm=jax.lax.linalg.SvdAlgorithm.QR)
+  return jax.lax.cond(_finite(found), lambda m: found, by_qr, matrix)
 
 
 def _finite(triplets) -> jax.Array:
   return jnp.all(jnp.array([jnp.isfinite(x).all() for x in triplets]))
-
-
-def _by_qr(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  return jax.lax.linalg.svd(matrix, full_matrices=False,
-                            algorithm=jax.lax.linalg.SvdAlgorithm.QR)
 
 
 def exact(matrix: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:

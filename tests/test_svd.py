@@ -9,7 +9,9 @@ import pytest
 import merging
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.lora import LowRank
 from editing.task_vector import TaskVector
+from merging import continual
 from merging import svd
 
 
@@ -147,3 +149,27 @@ def test_an_svd_that_does_not_converge_is_taken_again_by_the_qr_algorithm(monkey
   np.testing.assert_allclose(s, np.linalg.svd(np.asarray(a, np.float64), compute_uv=False),
                              rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(u @ jnp.diag(s) @ vt, a, atol=1e-5)
+
+
+def test_opcm_and_peft_svd_combinations_take_a_failing_svd_again(monkeypatch):
+  """OPCM's projection (a complete SVD) and PEFT's svd combination (a thin one) read
+  `merging.svd`: with the default SVD made to fail, each gives what it gave before."""
+  rng = np.random.default_rng(3)
+  merged = jnp.asarray(with_spectrum(9, 6, np.geomspace(3.0, 1e-4, 6)), jnp.float32)
+  arriving = jnp.asarray(rng.normal(size=(9, 6)), jnp.float32)
+  lora_vectors = [TaskVector(
+      {'layer/kernel': LowRank(jnp.asarray(rng.normal(size=(6, 2)), jnp.float32),
+                               jnp.asarray(rng.normal(size=(2, 5)), jnp.float32),
+                               jnp.float32(1.0), (5, 6))}, (f't{k}',), 'lora', 'base')
+                  for k in range(2)]
+  peft_svd = lambda: merging.get('peft_svd').merge(
+      lora_vectors, key=jax.random.PRNGKey(0),
+      **merging.check_settings('peft_svd', {}, 'peft')).delta
+  projected, combined = continual.project_out(merged, arriving, 0.5), peft_svd()
+  failing = lambda m, full_matrices: tuple(jnp.full_like(x, jnp.nan) for x in
+                                           jax.lax.linalg.svd(m, full_matrices=full_matrices))
+  monkeypatch.setattr(jnp.linalg, 'svd', failing)
+  np.testing.assert_allclose(continual.project_out(merged, arriving, 0.5), projected,
+                             rtol=1e-4, atol=1e-4)
+  for path, low_rank in peft_svd().items():
+    np.testing.assert_allclose(low_rank.matrix(), combined[path].matrix(), atol=1e-4)
