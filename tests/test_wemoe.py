@@ -166,3 +166,5 @@ def test_the_merge_job_scores_the_routed_model_and_counts_its_bytes(tiny_run):
     experts = (4 * len(tasks) * mlp if name == 'wemoe' else
                8 * sum(np.count_nonzero(x) for x in jax.tree.leaves(saved.experts)))
     assert result['bytes_beyond_theta0'] == 4 * outside + experts + 4 * routers
+    # Each MLP runs T + 1 matmuls, and the routers read every token.
+    assert result['inference_flops'] > 1, result['inference_flops']

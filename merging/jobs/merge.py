@@ -27,6 +27,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
+import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -38,6 +39,7 @@ from editing import settings as settings_lib
 from editing import sweep
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.jobs import benchmark
 from editing.jobs import checks
 from editing.jobs import evaluate as evaluate_job
 from editing.jobs import experiment
@@ -348,8 +350,8 @@ def _best_model(config: ml_collections.ConfigDict, name: str, vectors, reads: di
                 inputs: inputs_lib.MergeInputs, evaluator: evaluate.Evaluator,
                 finetuned: dict) -> Chosen:
   """A method whose merge is a model of its own (WEMoE), scored through its forward: the
-  setting with the best mean normalized validation accuracy, test accuracy read there, and
-  the model's bytes beyond θ0."""
+  setting with the best mean normalized validation accuracy, test accuracy read there, the
+  model's bytes beyond θ0 and its forward's FLOPs against one merged model's."""
   method, names, theta0 = merging.get(name), list(inputs.data), inputs.theta0
   scorer = evaluator.with_encoder(method.forward(evaluator.encoder))
   best = None
@@ -366,14 +368,21 @@ def _best_model(config: ml_collections.ConfigDict, name: str, vectors, reads: di
   test = scorer.accuracies(theta0, model, {t: (inputs.heads[t], inputs.data[t].test)
                                            for t in names})
   normalized = {t: test[t] / finetuned[t]['test'] for t in names}
+  one_input = inputs.data[names[0]].test.batch(np.arange(1))[0]
+  flops = lambda encoder, params: benchmark.step_flops(
+      jax.jit(encoder).lower(theta0, params, one_input).compile(), 1)
   summary = {'hyperparameters': settings, 'swept': swept(config, name), 'lambda': 1.0,
              'normalized_val': score, 'test': test, 'normalized_test': normalized,
              'mean_test': float(np.mean(list(test.values()))),
              'mean_normalized_test': float(np.mean(list(normalized.values()))),
-             'bytes_beyond_theta0': wemoe.stored_bytes(model, theta0)}
-  logging.info('%s: mean test %.3f (normalized %.3f), %d bytes beyond θ0', name,
-               summary['mean_test'], summary['mean_normalized_test'],
-               summary['bytes_beyond_theta0'])
+             'bytes_beyond_theta0': wemoe.stored_bytes(model, theta0),
+             # XLA's count of the forward's FLOPs against one merged model's.
+             'inference_flops': (flops(scorer.encoder, model)
+                                 / flops(evaluator.encoder, theta0))}
+  logging.info('%s: mean test %.3f (normalized %.3f), %d bytes beyond θ0, %.2f× the '
+               'FLOPs of one model', name, summary['mean_test'],
+               summary['mean_normalized_test'], summary['bytes_beyond_theta0'],
+               summary['inference_flops'])
   return Chosen(model, model._asdict(), summary)
 
 
