@@ -47,6 +47,7 @@ import optax
 from editing import settings
 from editing import tree as tree_lib
 from editing.errors import UserError
+from editing.progress import Progress
 from editing.task_vector import TaskVector, check_compatible
 from merging import adamerging
 from merging import common
@@ -211,11 +212,13 @@ def learn(model: Upscaled, data: Mapping[str, common.TaskData], key: jax.Array, 
   step = adamerging.compiled_once(step, routers, opt_state,
                                   [d.images[:batch_size] for d in data.values()], model)
   entropies = []
+  progress = Progress('router training', steps, unit='steps')
   for i in range(steps):
     batches = [adamerging.batch(d.images, batch_size, jax.random.fold_in(
         jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in data.items()]
     routers, opt_state, value = step(routers, opt_state, batches, model)
     entropies.append(float(value))
+    progress.advance()
   return Learned(model._replace(routers=routers), entropies)
 
 
