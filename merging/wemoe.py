@@ -54,7 +54,8 @@ from merging import common
 from merging import ops
 
 PyTree = Any
-# The image encoder's MLP layers (editing.models.vit.Block), the input's first.
+# The image encoder's MLP layers (editing.models.vit.Block): the first reads the MLP's input,
+# which the routers read too.
 MLP = ('mlp_fc', 'mlp_proj')
 # The key of E-WEMoE's one router, which every block reads.
 SHARED = '*'
