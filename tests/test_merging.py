@@ -83,8 +83,9 @@ def run(name, vectors, data=None, **overrides):
   return method.merge(vectors, **kwargs, **{**SETTINGS.get(name, {}), **overrides})
 
 
-# The methods that merge dense deltas; the LoRA-space ones: tests/test_lora_merges.py.
-DENSE = sorted(n for n, m in merging.REGISTRY.items() if not m.low_rank)
+# The methods that merge dense deltas into vectors; the LoRA-space ones:
+# tests/test_lora_merges.py; those whose merge is a routed model: tests/test_wemoe.py.
+DENSE = sorted(n for n, m in merging.REGISTRY.items() if not m.low_rank and not m.forward)
 
 
 def flat(tree):
