@@ -41,7 +41,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.suite.update(tasks='add,category,weekday,sentiment', train_size=2000, val_size=100,
                       test_size=200, length=32)
 
-  # LoRA (r 8 on q, k, v, o) at lr 1e-3; attention-only at lr 1e-4 is the second command.
+  # LoRA (PEFT's r 8 on the query and value projections) at lr 1e-3; attention-only at lr
+  # 1e-4 is the second command.
   config.regimes = 'lora'
   config.finetune.update(steps=100, batch_size=16, learning_rate=1e-3, warmup_steps=10,
                          checkpoint_every=50, log_every=10)
