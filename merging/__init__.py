@@ -4,13 +4,14 @@ Every method returns a merged `TaskVector` τ_m, applied as θ0 + λ·τ_m, or, 
 vector per task (`Method.per_task`: EMR, TALL masks), a list of them, each applied to its own
 task's inputs, or, where its merge is a model of its own (`Method.forward`: WEMoE's routed
 MLPs), that model. `REGISTRY` maps a method's config name to a `Method`: its `merge` function,
-what besides the task vectors it reads, whether λ is free (chosen on validation, like task arithmetic's, on 0 … `lambda_max`) or the
-merge is applied at λ = 1 as it is (averages, Model Stock, WUDI, and AdaMerging and DAM, whose
-coefficients are learned), and what a streamed checkpoint merge must do for it. Each method's
-settings are declared beside its function (`editing.settings`), and so is what a sparsifying
-method keeps of each vector (`merging.sparsity`), which the in-memory and the streamed merges
-both read. A method mergekit has carries its translation (`Method.mergekit`: mergekit's names,
-parameters and defaults onto ours, `merging.translation`), which the YAML reader looks up.
+what besides the task vectors it reads, whether λ is free (chosen on validation, like task
+arithmetic's, on 0 … `lambda_max`) or the merge is applied at λ = 1 as it is (averages, Model
+Stock, WUDI, and AdaMerging and DAM, whose coefficients are learned), and what a streamed
+checkpoint merge must do for it. Each method's settings are declared beside its function
+(`editing.settings`), and so is what a sparsifying method keeps of each vector
+(`merging.sparsity`), which the in-memory and the streamed merges both read. A method mergekit
+has carries its translation (`Method.mergekit`: mergekit's names, parameters and defaults onto
+ours, `merging.translation`), which the YAML reader looks up.
 
 LoRA task vectors are merged by every method as their dense ΔW = s·B A, and as factors by the
 LoRA-space methods (KnOTS, LoRM, PEFT's combinations), whose merges stay LoRA vectors.
