@@ -91,8 +91,7 @@ def learn(task_vectors: Sequence[TaskVector], *, theta0: common.PyTree,
                        [d.images[:batch_size] for d in tasks.values()], theta0, deltas)
   entropies = []
   for i in range(steps):
-    batches = [batch(d.images, batch_size, jax.random.fold_in(
-        jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in tasks.items()]
+    batches = list(step_batches(tasks, batch_size, key, i).values())
     coefficients, opt_state, value = step(coefficients, opt_state, batches, theta0, deltas)
     entropies.append(float(value))
   return Learned(coefficients, entropies)
@@ -152,6 +151,14 @@ def batch(images: np.ndarray, size: int, key: jax.Array) -> np.ndarray:
   """`size` images (all, if fewer) drawn without replacement by `key`, in index order."""
   size = min(size, len(images))
   return images[np.sort(np.asarray(jax.random.permutation(key, len(images))[:size]))]
+
+
+def step_batches(tasks: Mapping[str, common.TaskData], size: int, key: jax.Array,
+                 step: int) -> dict[str, np.ndarray]:
+  """{task: its `batch` of step `step`}, each task's drawn by its own key of that step."""
+  step_key = jax.random.fold_in(key, step)
+  return {t: batch(d.images, size, jax.random.fold_in(step_key, tree_lib.stable_hash(t)))
+          for t, d in tasks.items()}
 
 
 @settings.declare(**SETTINGS)

@@ -176,9 +176,7 @@ def _learn_masks(task_vectors, *, theta0, tasks, key, masks, trigger, granularit
   objectives = []
   for i in range(steps):
     step_key = jax.random.fold_in(key, i)
-    batches = {t: adamerging.batch(d.images, batch_size,
-                                   jax.random.fold_in(step_key, tree_lib.stable_hash(t)))
-               for t, d in tasks.items()}
+    batches = adamerging.step_batches(tasks, batch_size, key, i)
     triggered = None
     if trigger is not None:
       triggered = {t: np.asarray(trigger(b), np.float32) for t, b in batches.items()}

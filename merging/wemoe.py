@@ -107,9 +107,8 @@ def upscale(task_vectors: Sequence[TaskVector], theta0: PyTree, key: jax.Array, 
                     'mean of a sample\'s tokens, which a causal decoder has only at its end)')
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
   if density < 1:
-    deltas = [tree_lib.flatten(ops.where(ops.keep_largest(_mlp_only(d), density, 'tensor'),
-                                         _mlp_only(d)))
-              for d in deltas]
+    mlps = [_mlp_only(d) for d in deltas]
+    deltas = [ops.where(ops.keep_largest(m, density, 'tensor'), m) for m in mlps]
   experts = {b: {layer: {leaf: jnp.stack([d[f'{b}/{layer}/{leaf}'] for d in deltas])
                          for leaf in ('kernel', 'bias')}
                  for layer in MLP}
@@ -215,8 +214,7 @@ def learn(model: Upscaled, data: Mapping[str, common.TaskData], key: jax.Array, 
   entropies = []
   progress = Progress('router training', steps, unit='steps')
   for i in range(steps):
-    batches = [adamerging.batch(d.images, batch_size, jax.random.fold_in(
-        jax.random.fold_in(key, i), tree_lib.stable_hash(t))) for t, d in data.items()]
+    batches = list(adamerging.step_batches(data, batch_size, key, i).values())
     routers, opt_state, value = step(routers, opt_state, batches, model)
     entropies.append(float(value))
     progress.advance()

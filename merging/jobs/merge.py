@@ -333,13 +333,10 @@ def _best_per_task(config: ml_collections.ConfigDict, name: str, vectors, reads:
       if t not in best or accuracy > best[t][0]:
         best[t] = (accuracy, settings, vector)
   test = {t: score(best[t][2], t, 'test') for t in names}
-  normalized = {t: test[t] / finetuned[t]['test'] for t in names}
   summary = {'hyperparameters': {t: best[t][1] for t in names}, 'swept': swept(config, name),
              'per_task': True, 'lambda': 1.0,
              'normalized_val': float(np.mean([best[t][0] / finetuned[t]['val'] for t in names])),
-             'test': test, 'normalized_test': normalized,
-             'mean_test': float(np.mean(list(test.values()))),
-             'mean_normalized_test': float(np.mean(list(normalized.values())))}
+             **_test_summary(test, finetuned)}
   logging.info('%s: mean test %.3f (normalized %.3f), each task its own model', name,
                summary['mean_test'], summary['mean_normalized_test'])
   return Chosen({t: best[t][2] for t in names},
@@ -367,14 +364,11 @@ def _best_model(config: ml_collections.ConfigDict, name: str, vectors, reads: di
   score, settings, model = best
   test = scorer.accuracies(theta0, model, {t: (inputs.heads[t], inputs.data[t].test)
                                            for t in names})
-  normalized = {t: test[t] / finetuned[t]['test'] for t in names}
   one_input = inputs.data[names[0]].test.batch(np.arange(1))[0]
   flops = lambda encoder, params: benchmark.step_flops(
       jax.jit(encoder).lower(theta0, params, one_input).compile(), 1)
   summary = {'hyperparameters': settings, 'swept': swept(config, name), 'lambda': 1.0,
-             'normalized_val': score, 'test': test, 'normalized_test': normalized,
-             'mean_test': float(np.mean(list(test.values()))),
-             'mean_normalized_test': float(np.mean(list(normalized.values()))),
+             'normalized_val': score, **_test_summary(test, finetuned),
              'bytes_beyond_theta0': wemoe.stored_bytes(model, theta0),
              # XLA's count of the forward's FLOPs against one merged model's.
              'inference_flops': (flops(scorer.encoder, model)
@@ -384,6 +378,14 @@ def _best_model(config: ml_collections.ConfigDict, name: str, vectors, reads: di
                summary['mean_normalized_test'], summary['bytes_beyond_theta0'],
                summary['inference_flops'])
   return Chosen(model, model._asdict(), summary)
+
+
+def _test_summary(test: dict, finetuned: dict) -> dict:
+  """Test accuracies per task, normalized by the fine-tunes', and their means."""
+  normalized = {t: test[t] / finetuned[t]['test'] for t in test}
+  return {'test': test, 'normalized_test': normalized,
+          'mean_test': float(np.mean(list(test.values()))),
+          'mean_normalized_test': float(np.mean(list(normalized.values())))}
 
 
 def _save_params(path: str, params) -> None:
