@@ -207,7 +207,7 @@ REGISTRY: dict[str, Method] = {
                               'model_stock': Translation({'clip': False}, ('filter_wise',))}),
     # mergekit's methods: DELLA and SCE sparsify as TIES does, the spherical interpolations
     # take the models' weights (or their task vectors) whole and are applied as they are.
-    'della': Method(della.merge, reads=('key',), whole_tensor=True, elementwise=False,
+    'della': Method(della.merge, reads=('key',), sparsity=della.sparsity, elementwise=False,
                     lambda_max=3.0, per_vector=('density', 'epsilon'), mergekit={
                         'della': gta(('epsilon',), 'density', elect_sign=True, normalize=True,
                                      density=1.0, epsilon=0.15, **_L1),

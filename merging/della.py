@@ -15,48 +15,25 @@ without it `della_linear`. d = 1 keeps every entry (mergekit's default density);
 on validation.
 
 Draws are keyed as DARE's: task t's leaf at `path` from
-fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), whatever the order of the vectors
-or leaves.
+fold_in(fold_in(key, stable_hash(task)), stable_hash(path)), and each entry from that key folded
+with its index in the leaf's rows (`ops.kept_entries`), whatever the order of the vectors or
+leaves, so a streamed merge draws a block of rows as the whole leaf would.
 """
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from editing import settings
-from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import sparsity as sparsity_lib
 
 
-def keep_probabilities(row_magnitudes: jax.Array, density: float, epsilon: float) -> jax.Array:
-  """p_r of each entry of each row (the last axis), ties in magnitude to the earlier entry."""
-  n = row_magnitudes.shape[-1]
-  ranks = jnp.argsort(jnp.argsort(row_magnitudes, axis=-1, stable=True), axis=-1)
-  spread = ranks / (n - 1) if n > 1 else jnp.zeros(row_magnitudes.shape)
-  return (density - epsilon) + 2 * epsilon * spread
-
-
-def magprune(delta: dict, density: float, epsilon: float, rescale: str,
-             key: jax.Array) -> dict:
-  """One vector's deltas after MagPrune and the rescale (a flat {path: leaf} tree)."""
-  if density == 1:
-    return delta
-  views = ops.matrices(delta)
-
-  def prune(path, d):
-    rows = ops.rows(views[path], d)
-    p = keep_probabilities(jnp.abs(rows), density, epsilon)
-    kept = jax.random.bernoulli(ops.leaf_key(key, path), p)
-    if rescale == 'l1_norm':
-      out = ops.rescale_l1(rows, jnp.where(kept, rows, 0.0))
-    else:
-      out = jnp.where(kept, rows / p, 0.0)
-    return ops.from_rows(views[path], out, d.shape)
-
-  return {path: prune(path, d) for path, d in delta.items()}
+def sparsity(density: float, epsilon: float, rescale: str, **_) -> sparsity_lib.Sparsity:
+  """MagPrune as a draw whose keep probabilities spread over each row's ranks; none at d = 1."""
+  return sparsity_lib.Sparsity(draw=sparsity_lib.Draw(1 - density, rescale, epsilon))
 
 
 @settings.declare(
@@ -74,17 +51,18 @@ def magprune(delta: dict, density: float, epsilon: float, rescale: str,
 def merge(task_vectors: Sequence[TaskVector], *, key: jax.Array, density: float,
           epsilon: float, rescale: str, elect_sign: bool, normalize: bool,
           weights: Sequence[float] | None = None,
-          per_vector: Mapping[str, Sequence] | None = None) -> TaskVector:
+          per_vector: Mapping[str, Sequence] | None = None,
+          dropped: Sequence[Any] | None = None) -> TaskVector:
   """The DELLA merge τ_m of the task vectors (before λ); `per_vector` may give each vector its
-  own density and epsilon (mergekit's per-model parameters)."""
+  own density and epsilon (mergekit's per-model parameters); `dropped`, each vector's deltas
+  after MagPrune drawn beforehand (a streamed block's, whose ranks are its rows' and whose L1
+  norms are its whole tensor's)."""
   check_compatible(task_vectors, 'della')
   if weights is not None:
     common.check_weights(weights, len(task_vectors), 'della')
   own = common.per_vector(per_vector, {'density': density, 'epsilon': epsilon},
                           len(task_vectors), merge, 'della')
-  pruned = []
-  for v, settings_t in zip(task_vectors, own):
-    flat = magprune(tree_lib.flatten(v.delta), settings_t['density'], settings_t['epsilon'],
-                    rescale, ops.vector_key(key, v.tasks))
-    pruned.append(tree_lib.unflatten(flat))
-  return common.merged(task_vectors, ops.combine(pruned, weights, elect_sign, normalize))
+  if dropped is None:
+    dropped = [ops.drop_and_rescale(v.delta, 1 - s['density'], ops.vector_key(key, v.tasks),
+                                    rescale, s['epsilon']) for v, s in zip(task_vectors, own)]
+  return common.merged(task_vectors, ops.combine(list(dropped), weights, elect_sign, normalize))

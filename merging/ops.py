@@ -4,6 +4,7 @@ deltas (params-shaped pytrees) to deltas, is jit-able, and keeps no state.
 Their arguments are the methods' settings, checked where each method declares them."""
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -108,44 +109,80 @@ def leaf_key(key: jax.Array, path: str) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames='size')
-def kept_entries(key: jax.Array, q: float, start: Any, size: int) -> jax.Array:
+def kept_entries(key: jax.Array, q: Any, start: Any, size: int) -> jax.Array:
   """The flat keep mask of entries [start, start + size) of the leaf whose key is `key`
   (`start` may be traced; a leaf holds fewer than 2^32 entries): entry i is kept if
-  u_i < q, u_i the uniform that the first word w of fold_in(key, i) makes, (w >> 9)·2^-23, as
-  jax.random.uniform makes it. Entry i's draw is its own, so any run of entries (a block of a
-  streamed tensor) draws the bits the leaf drawn whole would, on any device count."""
+  u_i < q (q one probability, or one per entry), u_i the uniform that the first word w of
+  fold_in(key, i) makes, (w >> 9)·2^-23, as jax.random.uniform makes it. Entry i's draw is its
+  own, so any run of entries (a block of a streamed tensor) draws the bits the leaf drawn whole
+  would, on any device count."""
   index = jnp.asarray(start, jnp.uint32) + jnp.arange(size, dtype=jnp.uint32)
   words = jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(key, index))[:, 0]
   return (words >> 9).astype(jnp.float32) * 2.0**-23 < q
 
 
-def dropped(delta: jax.Array, keep: jax.Array, p: float, rescale: str,
+def rank_spread(row_magnitudes: jax.Array, q: float, spread: float) -> jax.Array:
+  """MagPrune's keep probability of each entry of each row (the last axis) of n:
+  q − ε + 2ε·r/(n − 1) for the entry of ascending magnitude rank r (from 0; ties in magnitude
+  to the earlier entry), so the row keeps a share q on average, its large entries more often
+  than its small ones."""
+  n = row_magnitudes.shape[-1]
+  order = jnp.argsort(row_magnitudes, axis=-1, stable=True)
+  # The inverse permutation by a scatter: a second sort would cost as much as the first.
+  ranks = jax.vmap(lambda o: jnp.zeros(n, jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32)))(
+      order.reshape(-1, n)).reshape(row_magnitudes.shape)
+  # Looked up from a table made on the host, so that no compiler contracts the expression into
+  # a fused multiply-add in one program and not in another: a streamed block's q are the whole
+  # leaf's, bit for bit.
+  step = 2 * spread / (n - 1) if n > 1 else 0.0
+  table = ((q - spread) + np.arange(n) * step).astype(np.float32)
+  return jnp.asarray(table)[ranks]
+
+
+def dropped(delta: jax.Array, keep: jax.Array, q: Any, rescale: str,
             factor: jax.Array | None = None) -> jax.Array:
-  """m ⊙ δ / (1 − p), or with rescale 'l1_norm' m ⊙ δ · ‖δ‖₁/‖m ⊙ δ‖₁; `factor`, if given,
-  that ratio found beforehand (a streamed block's, of its whole tensor)."""
+  """m ⊙ δ / q (q the keep probability, one or one per entry), or with rescale 'l1_norm'
+  m ⊙ δ · ‖δ‖₁/‖m ⊙ δ‖₁; `factor`, if given, that ratio found beforehand (a streamed block's,
+  of its whole tensor)."""
   if rescale == 'l1_norm':
     masked = jnp.where(keep, delta, jnp.zeros_like(delta))
     return rescale_l1(delta, masked) if factor is None else masked * factor
-  return jnp.where(keep, delta / (1 - p), jnp.zeros_like(delta))
+  return jnp.where(keep, delta / q, jnp.zeros_like(delta))
 
 
 def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
-                     rescale: str = 'probability') -> PyTree:
+                     rescale: str = 'probability', spread: float = 0.0) -> PyTree:
   """τ̃ = (1 − m) ⊙ τ / (1 − p), m ~ Bernoulli(p) per entry (DARE); with rescale='l1_norm',
-  (1 − m) ⊙ τ scaled to τ's L1 norm per leaf instead.
+  (1 − m) ⊙ τ scaled to τ's L1 norm per leaf instead. With a `spread` ε, each entry's keep
+  probability is MagPrune's q_r of its magnitude's rank in its row (`rank_spread`, the rows of
+  `rows`; DELLA), and a kept entry is divided by its own q_r.
 
-  Each leaf draws from leaf_key(key, path), an entry at a time (`kept_entries`), so the result
-  does not depend on the traversal order, the device count, the sharding or the blocks a
-  streamed merge reads; p = 0 returns τ unchanged.
+  Each leaf draws from leaf_key(key, path), an entry at a time (`kept_entries`, in the order
+  of its rows), so the result does not depend on the traversal order, the device count, the
+  sharding or the blocks a streamed merge reads; p = 0 returns τ unchanged.
   """
   if p == 0:
     return delta
+  views = matrices(delta) if spread else {}
 
   def drop(path, d):
-    keep = kept_entries(leaf_key(key, path), 1 - p, 0, d.size).reshape(d.shape)
-    return dropped(d, keep, p, rescale)
+    if not spread:
+      keep = kept_entries(leaf_key(key, path), 1 - p, 0, d.size).reshape(d.shape)
+      return dropped(d, keep, 1 - p, rescale)
+    r = rows(views[path], d)
+    q = rank_spread(jnp.abs(r), 1 - p, spread)
+    keep = kept_entries(leaf_key(key, path), q.ravel(), 0, d.size).reshape(r.shape)
+    return from_rows(views[path], dropped(r, keep, q, rescale), d.shape)
 
   return tree_lib.map_with_path(drop, delta)
+
+
+def row_length(path: str, shape: tuple[int, ...]) -> int | None:
+  """The length of a leaf's `rows` where each is a run of entries in the order it is stored
+  (None for a flax kernel, whose rows are its transpose's)."""
+  if path.endswith('kernel') and len(shape) in (2, 3):
+    return None
+  return math.prod(shape[1:]) if len(shape) > 1 else math.prod(shape)
 
 
 class Matrix(NamedTuple):

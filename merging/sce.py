@@ -19,8 +19,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from editing import settings
+from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
@@ -32,9 +34,12 @@ def merge_leaf(deltas: Sequence[jax.Array], select_topk: float) -> jax.Array:
   if select_topk < 1:
     variance = jnp.var(stacked, axis=0).ravel()
     count = jnp.floor(jnp.count_nonzero(variance) * select_topk).astype(jnp.int32)
-    ranks = jnp.argsort(jnp.argsort(-variance, stable=True))
-    selected = (ranks < count).reshape(stacked.shape[1:])
-    stacked = jnp.where(selected, stacked, 0.0)
+    if isinstance(count, jax.core.Tracer):
+      ranks = jnp.argsort(jnp.argsort(-variance, stable=True))
+      selected = ranks < count
+    else:  # ranked on the host by `editing.cuts`: the same entries, without two sorts
+      selected = tree_lib.top_k(np.asarray(variance), lambda n: int(count), 'tensor')
+    stacked = jnp.where(selected.reshape(stacked.shape[1:]), stacked, 0.0)
   energy = jnp.mean(stacked.reshape(len(deltas), -1) ** 2, axis=1)
   total = energy.sum()
   weights = jnp.where(total < 1e-6, 1.0 / len(deltas), energy / jnp.where(total < 1e-6, 1.0,

@@ -7,7 +7,8 @@ keeps of one task vector, given that vector's settings (its own where they are g
 vector; every other setting is passed too, and a declaration ignores those it does not read).
 A `Sparsity` is, applied in this order,
 
-  draw  per-entry random drops (`Draw`): entry i of a leaf is kept with probability 1 − p,
+  draw  per-entry random drops (`Draw`): entry i of a leaf is kept with probability 1 − p
+        (or, with a spread, a probability set by its magnitude's rank in its row: DELLA),
         drawn from the leaf's key (`ops.vector_key`, `ops.leaf_key`, `ops.kept_entries`),
         and the kept ones are rescaled by 1/(1 − p), or to the leaf's L1 norm
         ‖τ‖₁/‖m ⊙ τ‖₁ (`ops.RESCALES`);
@@ -45,10 +46,18 @@ class Cut(NamedTuple):
 
 
 class Draw(NamedTuple):
-  """Each entry dropped with probability p, the kept ones rescaled (`ops.RESCALES`)."""
+  """Each entry dropped with probability p, the kept ones rescaled (`ops.RESCALES`); with a
+  `spread` ε, entry i kept with MagPrune's q_i, 1 − p − ε to 1 − p + ε by its magnitude's rank
+  in its row (`ops.rank_spread`), and rescaled by 1/q_i."""
 
   p: float
   rescale: str = 'probability'
+  spread: float = 0.0
+
+  @property
+  def rows(self) -> bool:
+    """Whether an entry's draw reads its whole row (a streamed block must hold whole rows)."""
+    return self.p != 0 and self.spread != 0
 
   @property
   def norms(self) -> bool:

@@ -94,6 +94,9 @@ PLANS = {
     'wudi': checkpoints.Plan('wudi', {'steps': 20, 'learning_rate': 1e-3}),
     'model_stock': checkpoints.Plan('model_stock', {}),
     'della': checkpoints.Plan('della', {'density': 0.4, 'epsilon': 0.2}, scale=0.8, seed=5),
+    # mergekit's della: MagPrune's draws rescaled to each tensor's L1 norm, by a pass before.
+    'della_l1': checkpoints.Plan('della', {'density': 0.4, 'epsilon': 0.2,
+                                           'rescale': 'l1_norm'}, seed=5),
     'sce': checkpoints.Plan('sce', {'select_topk': 0.5}),
     'slerp': checkpoints.Plan('slerp', {'t': 0.3}),
     'nuslerp': checkpoints.Plan('nuslerp', {'flatten': False}, weights=(1.0, 3.0)),
@@ -108,7 +111,7 @@ PLANS = {
 # the in-memory merge sums the whole tensor in float32, in an order the compiler picks: a float32
 # sum of n terms is within (n − 1)·eps of its value, relatively, so the two rescale factors (a
 # ratio of two such sums) agree to within 2n·eps, and so do the merged weights they scale.
-ROUNDED = ('dare_ties_l1',)
+ROUNDED = ('dare_ties_l1', 'della_l1')
 
 
 def assert_merged_equal(name, streamed, expected, err_msg):
@@ -461,10 +464,11 @@ def test_merges_split_over_eight_devices_write_the_bytes_of_one(tmp_path, run_py
     assert output_bytes(tmp_path / 'eight' / name) == output_bytes(tmp_path / 'one' / name), name
 
 
-@pytest.mark.parametrize('name', ['dare_linear', 'dare_ties_l1'])
-def test_dare_without_a_ranking_merges_a_block_at_a_time(tmp_path, monkeypatch, name):
-  """No tensor held whole (blocks of 48 entries, which divide no row), and a block's draws are
-  its entries' own: the in-memory merge's."""
+@pytest.mark.parametrize('name', ['dare_linear', 'dare_ties_l1', 'della', 'della_l1'])
+def test_draws_without_a_ranking_merge_a_block_at_a_time(tmp_path, monkeypatch, name):
+  """No tensor held whole (blocks of 48 entries, which divide no tensor; DELLA's of whole rows
+  of 16 or 32, the most that fit), and a block's draws are its entries' own: the in-memory
+  merge's."""
   monkeypatch.setattr(pipeline, 'BLOCK', 48)
   monkeypatch.setattr(tensors.TensorMerge, '_merge_whole',
                       lambda *args: pytest.fail('a tensor was merged whole'))

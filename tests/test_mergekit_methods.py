@@ -12,7 +12,6 @@ import merging
 from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector
-from merging import della
 from merging import ops
 from tests import references
 
@@ -290,7 +289,7 @@ def test_arcee_fusion_follows_mergekits_code():
 
 def test_della_keep_probabilities_follow_the_rank_of_each_magnitude_in_its_row():
   rows = np.array([[0.3, -2.0, 0.1, 1.0], [5.0, 4.0, -3.0, 0.0]], np.float32)
-  p = np.asarray(della.keep_probabilities(jnp.abs(rows), 0.5, 0.2))
+  p = np.asarray(ops.rank_spread(jnp.abs(rows), 0.5, 0.2))
   ranks = np.argsort(np.argsort(np.abs(rows), axis=1, kind='stable'), axis=1)
   np.testing.assert_allclose(p, 0.3 + 0.4 * ranks / 3, rtol=1e-6)
 
@@ -307,9 +306,12 @@ def test_della_draws_with_those_probabilities_and_merges_as_mergekit():
       rows = x.reshape(x.shape[0] if x.ndim > 1 else 1, -1)
       ranks = np.argsort(np.argsort(np.abs(rows), axis=1, kind='stable'), axis=1)
       prob = 0.3 + 0.2 * ranks / (rows.shape[1] - 1)
-      # The draws are jax's; the rest is numpy's.
-      kept = np.asarray(jax.random.bernoulli(
-          jax.random.fold_in(vector_key, tree_lib.stable_hash(p)), prob.astype(np.float32)))
+      # Entry i's uniform is jax's, from the leaf's key folded with i; the rest is numpy's.
+      leaf_key = jax.random.fold_in(vector_key, tree_lib.stable_hash(p))
+      words = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(
+          leaf_key, jnp.arange(rows.size, dtype=jnp.uint32))))[:, 0]
+      uniform = ((words >> 9).astype(np.float32) * 2.0**-23).reshape(rows.shape)
+      kept = uniform < prob.astype(np.float32)
       pruned[p] = np.where(kept, rows / prob, 0.0).reshape(x.shape)
     expected_pruned.append(pruned)
   for p in THETA0:
@@ -324,14 +326,14 @@ def test_della_draws_with_those_probabilities_and_merges_as_mergekit():
 def test_della_rescales_without_bias_or_to_the_l1_norm():
   v = TaskVector({'w': np.random.default_rng(1).normal(size=(4, 50)).astype(np.float32)},
                  ('t0',), 'full', 'base')
-  runs = [np.asarray(della.magprune(v.delta, 0.5, 0.3, 'probability',
-                                    jax.random.PRNGKey(k))['w']) for k in range(400)]
+  runs = [np.asarray(ops.drop_and_rescale(v.delta, 0.5, jax.random.PRNGKey(k), 'probability',
+                                          0.3)['w']) for k in range(400)]
   # 1/p_r rescaling keeps every entry's expectation: the mean of 400 draws is near τ.
   error = np.abs(np.mean(runs, axis=0) - v.delta['w']) / np.abs(v.delta['w'])
   assert np.median(error) < 0.1, np.median(error)
   kept_share = np.mean([r != 0 for r in runs])
   assert abs(kept_share - 0.5) < 0.01, kept_share
-  l1 = np.asarray(della.magprune(v.delta, 0.5, 0.3, 'l1_norm', jax.random.PRNGKey(0))['w'])
+  l1 = np.asarray(ops.drop_and_rescale(v.delta, 0.5, jax.random.PRNGKey(0), 'l1_norm', 0.3)['w'])
   np.testing.assert_allclose(np.abs(l1).sum(), np.abs(v.delta['w']).sum(), rtol=1e-5)
 
 

@@ -182,7 +182,7 @@ def _write_shards(partial: output_lib.Partial, models, plan, shards, count, posi
     for shard in shards:
       if not partial.has(shard.file):
         pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries,
-                                tensors.prepare, tensors.block, plan.prefetch)
+                                tensors.prepare, tensors.block, plan.prefetch, tensors.spans)
         partial.shard_done()
       done_bytes += shard.bytes
       done_tensors += len(shard.entries)

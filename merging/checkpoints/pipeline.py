@@ -23,11 +23,11 @@ BLOCK = 1 << 18
 _PREPARED_AHEAD, _PREPARING = 3, 2
 
 
-def blocks(size: int) -> list[tuple[int, int]]:
+def blocks(size: int, width: int = BLOCK) -> list[tuple[int, int]]:
   """The blocks [start, stop) of a tensor of `size` entries, each merged by one program call:
   (N + 1) inputs of a block stay in the processor's cache while they are read, merged and
   written."""
-  return [(b, min(size, b + BLOCK)) for b in range(0, size, BLOCK)]
+  return [(b, min(size, b + width)) for b in range(0, size, width)]
 
 
 def write_shards(partial, shards: Sequence[safetensors_io.Shard], prepare: Callable[[str], Any],
@@ -43,21 +43,23 @@ def write_shards(partial, shards: Sequence[safetensors_io.Shard], prepare: Calla
 
 def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
                    prepare: Callable[[str], Any], block: Callable[[Any, int, int], np.ndarray],
-                   depth: int) -> None:
+                   depth: int, spans: Callable[[Any, int], list] | None = None) -> None:
   """The safetensors file `path` of `entries`, each tensor written a block at a time: the
   tensors' prepare(name) calls run in threads, _PREPARING at a time, up to _PREPARED_AHEAD
   tensors ahead of the one being written, and a tensor's block(prepared, start, stop) calls
   (1-D arrays of the entry's dtype) run `depth` ahead in threads while the caller writes the
   current one. File reads, numpy and XLA release the GIL, so reads, merges and writes overlap;
   in memory are the blocks in flight and what prepare keeps of _PREPARED_AHEAD + 1 tensors
-  (for the whole-tensor merges, each one merged whole)."""
+  (for the whole-tensor merges, each one merged whole). spans(prepared, size) gives a tensor's
+  blocks where they are not `blocks(size)`'s."""
   sizes = {name: math.prod(shape) for name, shape, _ in entries}
   with pool(_PREPARING) as preparing, pool(depth) as merges:
     prepared = ahead(prepare, list(sizes), _PREPARED_AHEAD, preparing)
 
     def chunks(name: str) -> Iterator[np.ndarray]:
       state = next(prepared)
-      yield from ahead(lambda span: block(state, *span), blocks(sizes[name]), depth, merges)
+      spanned = spans(state, sizes[name]) if spans else blocks(sizes[name])
+      yield from ahead(lambda span: block(state, *span), spanned, depth, merges)
 
     safetensors_io.write(path, entries, chunks, metadata=hf.PT_METADATA)
 

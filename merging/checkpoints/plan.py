@@ -251,9 +251,14 @@ class Plan:
   @property
   def elementwise(self) -> bool:
     """Whether the merge of an entry reads only that entry of each input (not so for draws
-    rescaled to each tensor's L1 norm, a sum over the tensor)."""
+    rescaled to each tensor's L1 norm, a sum over the tensor, or ranked in their rows)."""
     return self.entry is None or self.entry.elementwise and not any(
-        s.draw is not None and s.draw.norms for s in self._sparsities)
+        s.draw is not None and (s.draw.norms or s.draw.rows) for s in self._sparsities)
+
+  @property
+  def rows(self) -> bool:
+    """Whether an entry's draw reads its whole row: a block holds whole rows."""
+    return any(s.draw is not None and s.draw.rows for s in self._sparsities)
 
   def output_dtype(self, base_dtype: np.dtype) -> np.dtype:
     """The dtype a floating tensor is written in: τ in float32, merged weights in the plan's

@@ -41,7 +41,7 @@ def ranked_by(plan: plan_lib.Plan, model: int, label: str, key: jax.Array) -> Ca
   def ranked(name: str, delta) -> np.ndarray:
     if draw is not None:
       delta = ops.drop_and_rescale({name: jnp.asarray(delta)}, draw.p,
-                                   ops.vector_key(key, (label,)), draw.rescale)[name]
+                                   ops.vector_key(key, (label,)), draw.rescale, draw.spread)[name]
     return np.asarray(delta, np.float32)
   return ranked
 

@@ -61,29 +61,42 @@ class TensorMerge:
     elif plan.ranked:
       state['cuts'] = self.ranking.cuts(name, size, plan)
     elif plan.draws:
-      state['draws'] = self._draws(name, size, dtype, plan)
+      row = ops.row_length(name, shape) if plan.rows else None
+      if plan.rows and (row is None or row > pipeline.BLOCK):
+        state['merged'] = self._merge_whole(name, shape, plan)  # rows no block can hold
+      else:
+        state['row'] = row
+        state['draws'] = self._draws(name, size, dtype, plan, row)
     return state
 
-  def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan) -> tuple:
+  @staticmethod
+  def spans(state: dict, size: int) -> list[tuple[int, int]]:
+    """The blocks a tensor is merged in: each of whole rows where its draws read rows."""
+    row = state.get('row')
+    return pipeline.blocks(size, pipeline.BLOCK - pipeline.BLOCK % row if row else pipeline.BLOCK)
+
+  def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan,
+             row: int | None) -> tuple:
     """What a merge in blocks draws from for the tensor `name`: each model's key of it
     (`ops.vector_key`, `ops.leaf_key`, as `ops.drop_and_rescale` keys a vector's leaf) and,
     where a draw's rescale reads norms, each model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor,
-    summed by a pass over its blocks first."""
+    summed by a pass over its blocks (of whole rows of `row`, where draws read rows) first."""
     keys = jnp.stack([ops.leaf_key(ops.vector_key(self.key, (label,)), name)
                       for label in self.labels])
     draws = [plan.sparsity(i).draw for i in range(len(self.tuned))]
-    if not any(draw is not None and draw.norms for draw in draws):
+    if not any(draw is not None and draw.norms and draw.p != 0 for draw in draws):
       return keys, None
     # Summed on the host in float64: the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
-    for start, stop in pipeline.blocks(size):
+    for start, stop in self.spans({'row': row}, size):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
-      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), pipeline.BLOCK))
-      for i, theta in enumerate(buffers[1:]):
-        magnitudes = np.abs(pipeline.host_delta(theta, buffers[0]))
-        norms[i] += (magnitudes.sum(dtype=np.float64),
-                     np.where(masks[i], magnitudes, 0).sum(dtype=np.float64))
+      magnitudes = np.abs(np.stack([pipeline.host_delta(theta, buffers[0])
+                                    for theta in buffers[1:]]))
+      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), magnitudes, row))
+      for i in range(len(self.tuned)):
+        norms[i] += (magnitudes[i].sum(dtype=np.float64),
+                     np.where(masks[i], magnitudes[i], 0).sum(dtype=np.float64))
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32))
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
@@ -131,7 +144,8 @@ class TensorMerge:
     # it, after which this thread may read into them again.
     inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
               else buffers)
-    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts, draws))
+    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts, draws,
+                                    state.get('row')))
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
@@ -160,14 +174,14 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str],
                       'config.allow_nonfinite to merge it anyway')
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 5))
 def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
-                block_cuts: list | None, draws: tuple | None) -> jax.Array:
+                block_cuts: list | None, draws: tuple | None, row: int | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
-  is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, with the masks of
-  the method's cuts (each cut relative to the block) and its vectors after their draws from
-  the tensor's `draws` (each model's key, its L1 factors or None, and the block's first
-  entry)."""
+  is the one leaf `_LEAF`, whatever its tensor) and row length: what `edit` makes of it, with
+  the masks of the method's cuts (each cut relative to the block) and its vectors after their
+  draws from the tensor's `draws` (each model's key, its L1 factors or None, and the block's
+  first entry; a block of whole rows of `row` where the draws read rows)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
@@ -180,19 +194,35 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
     for i, vector in enumerate(vectors):
       draw, delta = plan.sparsity(i).draw, vector.delta[_LEAF]
       if draw is not None and draw.p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
-        delta = ops.dropped(delta, ops.kept_entries(keys[i], 1 - draw.p, start, delta.size),
-                            draw.p, draw.rescale, None if factors is None else factors[i])
+        kept, q = _drawn(draw, keys[i], start, jnp.abs(delta), row)
+        delta = ops.dropped(delta, kept, q, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
   return edit(plan, {_LEAF: base}, vectors, None, keep, dropped)[_LEAF]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int) -> jax.Array:
-  """Each model's keep mask of its draw of the `size` entries of a tensor from entry `start`
-  on (all kept where it draws nothing)."""
-  ps = [draw.p if draw is not None else 0.0
-        for draw in (plan.sparsity(i).draw for i in range(len(keys)))]
-  return jnp.stack([ops.kept_entries(key, 1 - p, start, size) for key, p in zip(keys, ps)])
+def _drawn(draw, key: jax.Array, start: jax.Array, magnitudes: jax.Array,
+           row: int | None) -> tuple[jax.Array, jax.Array]:
+  """A block's keep mask of one model's draw and its keep probability (one, or per entry from
+  the ranks in its rows of `row`: the block's whole rows, then padding)."""
+  if not draw.rows:
+    return ops.kept_entries(key, 1 - draw.p, start, magnitudes.size), 1 - draw.p
+  whole = magnitudes.size - magnitudes.size % row
+  q = ops.rank_spread(magnitudes[:whole].reshape(-1, row), 1 - draw.p, draw.spread).ravel()
+  q = jnp.concatenate([q, jnp.ones(magnitudes.size - whole, q.dtype)])
+  return ops.kept_entries(key, q, start, magnitudes.size), q
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, magnitudes: jax.Array,
+                row: int | None) -> jax.Array:
+  """Each model's keep mask of its draw of a block from entry `start` on, whose |τ| are
+  `magnitudes` (models, entries) (all kept where it draws nothing)."""
+  masks = []
+  for i, key in enumerate(keys):
+    draw = plan.sparsity(i).draw
+    masks.append(jnp.ones(magnitudes.shape[1], bool) if draw is None or draw.p == 0 else
+                 _drawn(draw, key, start, magnitudes[i], row)[0])
+  return jnp.stack(masks)
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
