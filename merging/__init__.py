@@ -93,8 +93,14 @@ class Method:
   # of one vector's settings; its merge takes what a streamed merge found beforehand as `keep`
   # (the masks of its cuts) and `dropped` (the vectors after its draws).
   sparsity: Callable[..., sparsity_lib.Sparsity] | None = None
-  # Whether a streamed merge must hold each tensor whole (an SVD, a cosine over it).
+  # Whether a streamed merge must hold each tensor whole (an SVD, a cosine over it), unless
+  # `sums` says how it streams.
   whole_tensor: bool = False
+  # A method that reads a tensor whole only through sums over its entries (norms, dot
+  # products): sums(**settings) gives sums(theta0, deltas) of a leaf (a float32 array, None
+  # where the settings need more), which a streamed merge adds over a tensor's blocks in a pass
+  # before it merges them a block at a time; its merge takes the whole tensor's as `totals`.
+  sums: Callable[..., Callable | None] | None = None
   # Whether an entry's merge reads only that entry of each task vector (a streamed merge may
   # then split a tensor over devices); not so for an SVD or a cosine over the tensor.
   elementwise: bool = True
@@ -203,7 +209,7 @@ REGISTRY: dict[str, Method] = {
     # CART truncates each centred vector: applied as it is, its λ inside (`prior`).
     'cart': Method(cart.merge, scaled=False, whole_tensor=True, elementwise=False),
     'model_stock': Method(model_stock.merge, scaled=False, whole_tensor=True,
-                          elementwise=False, mergekit={
+                          elementwise=False, sums=model_stock.streamed_sums, mergekit={
                               'model_stock': Translation({'clip': False}, ('filter_wise',))}),
     # mergekit's methods: DELLA and SCE sparsify as TIES does, the spherical interpolations
     # take the models' weights (or their task vectors) whole and are applied as they are.
@@ -217,7 +223,7 @@ REGISTRY: dict[str, Method] = {
     'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0,
                   mergekit={'sce': Translation({'select_topk': 1.0},
                                                ('select_topk', 'int8_mask'))}),
-    'slerp': Method(slerp.merge, vectors=1, **_SPHERICAL,
+    'slerp': Method(slerp.merge, vectors=1, sums=slerp.streamed_sums, **_SPHERICAL,
                     mergekit={'slerp': Translation({}, ('t',), required=('t',))}),
     'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL, mergekit={
         'nuslerp': Translation({'flatten': True, 'row_wise': False},

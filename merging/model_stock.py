@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from editing import settings
+from editing import tree as tree_lib
 from editing.errors import UserError
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -35,16 +36,33 @@ def _rows(delta: jax.Array, filter_wise: bool) -> jax.Array:
   return jnp.reshape(delta, (-1, width)).astype(jnp.float32)
 
 
-def ratio(deltas: Sequence[jax.Array], clip: bool = True,
-          filter_wise: bool = False) -> jax.Array:
-  """t of one leaf's N deltas: a scalar, or with `filter_wise` one per row, shaped to
-  broadcast against the leaf."""
-  n = len(deltas)
+def sums(deltas: Sequence[jax.Array], filter_wise: bool = False) -> jax.Array:
+  """‖τ_i‖² of each delta, then τ_i·τ_j of each pair (i < j), in float32 (per row with
+  `filter_wise`, on the last axis): sums over a leaf's entries, so a streamed merge adds them
+  block by block and merges each block from the whole leaf's."""
   rows = [_rows(d, filter_wise) for d in deltas]
-  norms = [jnp.linalg.norm(r, axis=-1) for r in rows]
-  cosines = [jnp.clip(jnp.sum(rows[i] * rows[j], axis=-1) /
-                      jnp.maximum(norms[i] * norms[j], 1e-6), -1, 1)
-             for i in range(n) for j in range(i + 1, n)]
+  n = len(rows)
+  return jnp.stack([jnp.sum(r * r, axis=-1) for r in rows] +
+                   [jnp.sum(rows[i] * rows[j], axis=-1)
+                    for i in range(n) for j in range(i + 1, n)], axis=-1)
+
+
+def streamed_sums(filter_wise: bool, **_):
+  """What a streamed merge sums over a tensor's blocks before it merges them (`merging.Method`);
+  per row (`filter_wise`), none: each tensor is merged whole."""
+  return None if filter_wise else lambda theta0, deltas: sums(deltas)
+
+
+def ratio(deltas: Sequence[jax.Array], clip: bool = True, filter_wise: bool = False,
+          totals: jax.Array | None = None) -> jax.Array:
+  """t of one leaf's N deltas: a scalar, or with `filter_wise` one per row, shaped to
+  broadcast against the leaf; from their `sums` (`totals`, where found beforehand)."""
+  n = len(deltas)
+  found = sums(deltas, filter_wise) if totals is None else totals
+  norms = [jnp.sqrt(found[..., i]) for i in range(n)]
+  pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+  cosines = [jnp.clip(found[..., n + k] / jnp.maximum(norms[i] * norms[j], 1e-6), -1, 1)
+             for k, (i, j) in enumerate(pairs)]
   c = sum(cosines) / len(cosines)
   if clip:
     c = jnp.clip(c, 0.0, 1.0)
@@ -58,12 +76,14 @@ def ratio(deltas: Sequence[jax.Array], clip: bool = True,
                                      'angles give θ0); mergekit does not'),
                   filter_wise=settings.flag(False, 'one t per row of a leaf (its last axis), '
                                             'as mergekit\'s filter_wise'))
-def merge(task_vectors: Sequence[TaskVector], *, clip: bool, filter_wise: bool) -> TaskVector:
-  """τ_m = t · mean τ_t per leaf (per row with `filter_wise`)."""
+def merge(task_vectors: Sequence[TaskVector], *, clip: bool, filter_wise: bool,
+          totals: dict | None = None) -> TaskVector:
+  """τ_m = t · mean τ_t per leaf (per row with `filter_wise`); `totals`, each leaf's `sums`
+  found beforehand (a streamed block's, of its whole tensor)."""
   check_compatible(task_vectors, 'model_stock')
   if len(task_vectors) < 2:
     raise UserError(f'model_stock needs at least 2 task vectors (their angle sets the ratio), '
                     f'got {len(task_vectors)}')
-  return common.merged(task_vectors, jax.tree.map(
-      lambda *ds: ratio(ds, clip, filter_wise) * sum(ds) / len(ds),
-      *[v.delta for v in task_vectors]))
+  return common.merged(task_vectors, tree_lib.map_with_path(
+      lambda path, *ds: ratio(ds, clip, filter_wise, None if totals is None else totals[path]) *
+      sum(ds) / len(ds), *[v.delta for v in task_vectors]))

@@ -121,22 +121,35 @@ def kept_entries(key: jax.Array, q: Any, start: Any, size: int) -> jax.Array:
   return (words >> 9).astype(jnp.float32) * 2.0**-23 < q
 
 
-def rank_spread(row_magnitudes: jax.Array, q: float, spread: float) -> jax.Array:
-  """MagPrune's keep probability of each entry of each row (the last axis) of n:
-  q − ε + 2ε·r/(n − 1) for the entry of ascending magnitude rank r (from 0; ties in magnitude
-  to the earlier entry), so the row keeps a share q on average, its large entries more often
-  than its small ones."""
-  n = row_magnitudes.shape[-1]
-  order = jnp.argsort(row_magnitudes, axis=-1, stable=True)
-  # The inverse permutation by a scatter: a second sort would cost as much as the first.
-  ranks = jax.vmap(lambda o: jnp.zeros(n, jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32)))(
-      order.reshape(-1, n)).reshape(row_magnitudes.shape)
-  # Looked up from a table made on the host, so that no compiler contracts the expression into
-  # a fused multiply-add in one program and not in another: a streamed block's q are the whole
-  # leaf's, bit for bit.
+def spread_table(n: int, q: float, spread: float) -> np.ndarray:
+  """MagPrune's keep probability q − ε + 2ε·r/(n − 1) of ascending magnitude rank r = 0..n−1
+  in a row of n, so the row keeps a share q on average, its large entries more often than its
+  small ones. Made on the host and looked up, so that no compiler contracts it into a fused
+  multiply-add in one program and not in another: a streamed block's q are the whole leaf's."""
   step = 2 * spread / (n - 1) if n > 1 else 0.0
-  table = ((q - spread) + np.arange(n) * step).astype(np.float32)
-  return jnp.asarray(table)[ranks]
+  return ((q - spread) + np.arange(n) * step).astype(np.float32)
+
+
+def rank_spread(row_magnitudes: jax.Array, q: float, spread: float) -> jax.Array:
+  """Each entry's `spread_table` probability, by its rank in its row (the last axis; ties in
+  magnitude to the earlier entry)."""
+  n = row_magnitudes.shape[-1]
+  ranks = jnp.argsort(jnp.argsort(row_magnitudes, axis=-1, stable=True), axis=-1)
+  return jnp.asarray(spread_table(n, q, spread))[ranks]
+
+
+def host_rank_spread(row_magnitudes: np.ndarray, q: float, spread: float) -> np.ndarray:
+  """`rank_spread` of float32 magnitudes on the host, for a streamed block: one sort per row of
+  keys that hold each magnitude's bits (ordered as the magnitudes are) then its index, unique,
+  so their order is the stable one; an XLA sort on a CPU takes about 15 times as long."""
+  count, n = row_magnitudes.shape
+  keys = row_magnitudes.view(np.uint32).astype(np.uint64) << np.uint64(32)
+  keys |= np.arange(n, dtype=np.uint64)
+  keys.sort(axis=-1)
+  ranks = np.empty((count, n), np.intp)
+  np.put_along_axis(ranks, (keys & np.uint64(0xFFFFFFFF)).astype(np.intp),
+                    np.broadcast_to(np.arange(n), (count, n)), axis=-1)
+  return spread_table(n, q, spread)[ranks]
 
 
 def dropped(delta: jax.Array, keep: jax.Array, q: Any, rescale: str,

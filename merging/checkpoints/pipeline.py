@@ -23,10 +23,11 @@ BLOCK = 1 << 18
 _PREPARED_AHEAD, _PREPARING = 3, 2
 
 
-def blocks(size: int, width: int = BLOCK) -> list[tuple[int, int]]:
+def blocks(size: int, width: int | None = None) -> list[tuple[int, int]]:
   """The blocks [start, stop) of a tensor of `size` entries, each merged by one program call:
-  (N + 1) inputs of a block stay in the processor's cache while they are read, merged and
-  written."""
+  (N + 1) inputs of a block (of `width` entries, BLOCK unless given) stay in the processor's
+  cache while they are read, merged and written."""
+  width = width or BLOCK
   return [(b, min(size, b + width)) for b in range(0, size, width)]
 
 

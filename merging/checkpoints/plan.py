@@ -245,8 +245,14 @@ class Plan:
     """Whether each tensor is merged whole, op by op: the method reads a tensor whole (an SVD,
     a cosine), or it ranks what its draws left, which the merge of the whole tensor draws and
     ranks as the in-memory merge does. Decided for the whole model, whatever varies by layer."""
-    return self.entry is not None and (self.entry.whole_tensor or any(
+    return self.entry is not None and (self.entry.whole_tensor and self.sums is None or any(
         s.draw is not None and s.cut is not None for s in self._sparsities))
+
+  @property
+  def sums(self):
+    """What the method sums over each tensor's blocks before merging them (`merging.Method`),
+    or None."""
+    return self.entry.sums(**self.settings) if self.entry and self.entry.sums else None
 
   @property
   def elementwise(self) -> bool:

@@ -58,6 +58,8 @@ class TensorMerge:
       state['copy'] = True  # integer buffers (position ids, masks) are not weights
     elif self.plan.whole_tensor:  # decided for the whole model, whatever varies by layer
       state['merged'] = self._merge_whole(name, shape, plan)
+    elif self.plan.sums is not None:
+      state['totals'] = self._totals(name, size, dtype)
     elif plan.ranked:
       state['cuts'] = self.ranking.cuts(name, size, plan)
     elif plan.draws:
@@ -91,13 +93,25 @@ class TensorMerge:
     for start, stop in self.spans({'row': row}, size):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
-      magnitudes = np.abs(np.stack([pipeline.host_delta(theta, buffers[0])
-                                    for theta in buffers[1:]]))
-      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), magnitudes, row))
+      magnitudes = [np.abs(pipeline.host_delta(theta, buffers[0])) for theta in buffers[1:]]
+      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), pipeline.BLOCK,
+                                     _spread(plan, magnitudes, row)))
       for i in range(len(self.tuned)):
         norms[i] += (magnitudes[i].sum(dtype=np.float64),
                      np.where(masks[i], magnitudes[i], 0).sum(dtype=np.float64))
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32))
+
+  def _totals(self, name: str, size: int, dtype: np.dtype) -> np.ndarray:
+    """The method's sums over the tensor `name` (`merging.Method.sums`), by a pass over its
+    blocks, each block's added on the host in float64 (the same bits on any device count)."""
+    total = 0.0
+    for start, stop in pipeline.blocks(size):
+      buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
+                                    dtype)
+      if not self.plan.allow_nonfinite:
+        _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+      total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:]), np.float64)
+    return np.asarray(total, np.float32)
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
     """A tensor merged whole, op by op under its own name (an SVD merge; a ranking of what
@@ -135,7 +149,11 @@ class TensorMerge:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     block_cuts = draws = None
     if 'draws' in state:
-      draws = (*state['draws'], np.uint32(start))
+      spread = None
+      if state.get('row'):
+        spread = _spread(state['plan'], [np.abs(pipeline.host_delta(theta, buffers[0]))
+                                         for theta in buffers[1:]], state['row'])
+      draws = (*state['draws'], np.uint32(start), spread)
     if 'cuts' in state:
       block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
                                    np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
@@ -145,7 +163,7 @@ class TensorMerge:
     inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
               else buffers)
     edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts, draws,
-                                    state.get('row')))
+                                    state.get('totals')))
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An
@@ -174,14 +192,16 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str],
                       'config.allow_nonfinite to merge it anyway')
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=0)
 def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
-                block_cuts: list | None, draws: tuple | None, row: int | None) -> jax.Array:
+                block_cuts: list | None, draws: tuple | None,
+                totals: jax.Array | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
-  is the one leaf `_LEAF`, whatever its tensor) and row length: what `edit` makes of it, with
-  the masks of the method's cuts (each cut relative to the block) and its vectors after their
-  draws from the tensor's `draws` (each model's key, its L1 factors or None, and the block's
-  first entry; a block of whole rows of `row` where the draws read rows)."""
+  is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, with the masks of
+  the method's cuts (each cut relative to the block) and its vectors after their draws from
+  the tensor's `draws` (each model's key, its L1 factors or None, the block's first entry, and
+  each model's keep probabilities where they spread over its rows, or None), and the sums
+  over the whole tensor that the method reads (`merging.Method.sums`)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
@@ -189,39 +209,60 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
     keep = [{_LEAF: ranking.kept_mask(jnp.abs(vector.delta[_LEAF]), model_cuts)}
             for vector, model_cuts in zip(vectors, block_cuts)]
   if draws is not None:
-    keys, factors, start = draws
+    keys, factors, start, spread = draws
     dropped = []
     for i, vector in enumerate(vectors):
       draw, delta = plan.sparsity(i).draw, vector.delta[_LEAF]
       if draw is not None and draw.p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
-        kept, q = _drawn(draw, keys[i], start, jnp.abs(delta), row)
+        q = 1 - draw.p if spread is None or spread[i] is None else spread[i]
+        kept = ops.kept_entries(keys[i], q, start, delta.size)
         delta = ops.dropped(delta, kept, q, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
-  return edit(plan, {_LEAF: base}, vectors, None, keep, dropped)[_LEAF]
+  return edit(plan, {_LEAF: base}, vectors, None, keep, dropped,
+              None if totals is None else {_LEAF: totals})[_LEAF]
 
 
-def _drawn(draw, key: jax.Array, start: jax.Array, magnitudes: jax.Array,
-           row: int | None) -> tuple[jax.Array, jax.Array]:
-  """A block's keep mask of one model's draw and its keep probability (one, or per entry from
-  the ranks in its rows of `row`: the block's whole rows, then padding)."""
-  if not draw.rows:
-    return ops.kept_entries(key, 1 - draw.p, start, magnitudes.size), 1 - draw.p
-  whole = magnitudes.size - magnitudes.size % row
-  q = ops.rank_spread(magnitudes[:whole].reshape(-1, row), 1 - draw.p, draw.spread).ravel()
-  q = jnp.concatenate([q, jnp.ones(magnitudes.size - whole, q.dtype)])
-  return ops.kept_entries(key, q, start, magnitudes.size), q
+@functools.partial(jax.jit, static_argnums=0)
+def _block_sums(plan: plan_lib.Plan, base: jax.Array, thetas: list) -> jax.Array:
+  """The method's sums over one block (`merging.Method.sums`; zero padding adds nothing)."""
+  theta0 = jnp.asarray(base, jnp.float32)
+  return plan.sums(theta0, [jnp.asarray(t, jnp.float32) - theta0 for t in thetas])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, magnitudes: jax.Array,
-                row: int | None) -> jax.Array:
-  """Each model's keep mask of its draw of a block from entry `start` on, whose |τ| are
-  `magnitudes` (models, entries) (all kept where it draws nothing)."""
+def _spread(plan: plan_lib.Plan, magnitudes: list[np.ndarray], row: int | None) -> list | None:
+  """Each model's keep probabilities of a block of whole rows of `row` (then padding, kept)
+  whose |τ| are `magnitudes`, where its draw spreads them over the row's ranks (else None);
+  None where no draw does. Ranked on the host (`ops.host_rank_spread`)."""
+  if not row:
+    return None
+  spread = []
+  for i, block in enumerate(magnitudes):
+    draw = plan.sparsity(i).draw
+    if draw is None or not draw.rows:
+      spread.append(None)
+      continue
+    whole = block.size - block.size % row
+    q = np.ones(block.size, np.float32)
+    q[:whole] = ops.host_rank_spread(block[:whole].reshape(-1, row), 1 - draw.p,
+                                     draw.spread).ravel()
+    spread.append(q)
+  return spread
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int,
+                spread: list | None) -> jax.Array:
+  """Each model's keep mask of its draw of the `size` entries of a tensor from entry `start` on
+  (all kept where it draws nothing), with its keep probabilities where they spread over rows
+  (`_spread`)."""
   masks = []
   for i, key in enumerate(keys):
     draw = plan.sparsity(i).draw
-    masks.append(jnp.ones(magnitudes.shape[1], bool) if draw is None or draw.p == 0 else
-                 _drawn(draw, key, start, magnitudes[i], row)[0])
+    if draw is None or draw.p == 0:
+      masks.append(jnp.ones(size, bool))
+    else:
+      q = 1 - draw.p if spread is None or spread[i] is None else spread[i]
+      masks.append(ops.kept_entries(key, q, start, size))
   return jnp.stack(masks)
 
 
@@ -244,11 +285,12 @@ def task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> 
 
 
 def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None,
-         dropped=None) -> dict:
+         dropped=None, totals=None) -> dict:
   """What `plan` makes of θ0 (floating tensors) and the task vectors over it:
   θ0 + λ·merge(τ_1..τ_N), or merge(τ_1..τ_N) itself where the method writes its vector
   (`merging.Method.writes`); `keep`, the masks of the method's cuts ranked beforehand;
-  `dropped`, the vectors after its draws (`merging.sparsity`)."""
+  `dropped`, the vectors after its draws (`merging.sparsity`); `totals`, each tensor's sums
+  (`merging.Method.sums`)."""
   method = plan.entry
   reads = {name: value for name, value in (('key', key), ('theta0', theta0))
            if name in method.reads}
@@ -260,6 +302,8 @@ def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=
     reads['keep'] = keep
   if dropped is not None:
     reads['dropped'] = dropped
+  if totals is not None:
+    reads['totals'] = totals
   merged = method.merge(vectors, **reads, **plan.settings)
   if method.writes == 'delta':
     return dict(merged.delta)
