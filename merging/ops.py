@@ -190,14 +190,6 @@ def drop_and_rescale(delta: PyTree, p: float, key: jax.Array,
   return tree_lib.map_with_path(drop, delta)
 
 
-def row_length(path: str, shape: tuple[int, ...]) -> int | None:
-  """The length of a leaf's `rows` where each is a run of entries in the order it is stored
-  (None for a flax kernel, whose rows are its transpose's)."""
-  if path.endswith('kernel') and len(shape) in (2, 3):
-    return None
-  return math.prod(shape[1:]) if len(shape) > 1 else math.prod(shape)
-
-
 class Matrix(NamedTuple):
   """How a leaf reads as a matrix W of (outputs, inputs), as PyTorch stores a Linear's weight:
   a flax kernel (its input axes, then its output axes) is flattened to (inputs, outputs) and
@@ -224,16 +216,25 @@ def matrices(delta: PyTree) -> dict[str, Matrix | None]:
   which of its axes are outputs (a query kernel (in, heads, dim) and an output one (heads,
   dim, out) are both 3-D), and a bias is not always there to say it, so the layer's name does.
   """
-  views = {}
-  for path, x in tree_lib.flatten(delta).items():
-    shape = np.shape(x)
-    if path.endswith('kernel') and len(shape) in (2, 3):
-      views[path] = Matrix(*lora.matrix_shape(path, shape), True)
-    elif len(shape) == 2 and not path.endswith(('kernel', 'bias', 'scale')):
-      views[path] = Matrix(shape[1], shape[0], False)
-    else:
-      views[path] = None
-  return views
+  return {path: matrix_view(path, np.shape(x)) for path, x in tree_lib.flatten(delta).items()}
+
+
+def matrix_view(path: str, shape: tuple[int, ...]) -> Matrix | None:
+  """The matrix view `matrices` gives the leaf at `path` of `shape`, or None."""
+  if path.endswith('kernel') and len(shape) in (2, 3):
+    return Matrix(*lora.matrix_shape(path, shape), True)
+  if len(shape) == 2 and not path.endswith(('kernel', 'bias', 'scale')):
+    return Matrix(shape[1], shape[0], False)
+  return None
+
+
+def row_length(path: str, shape: tuple[int, ...]) -> int | None:
+  """The length of a leaf's `rows` where each is a run of entries in the order it is stored
+  (None where its matrix view is a transpose: a flax kernel)."""
+  view = matrix_view(path, shape)
+  if view is not None:
+    return None if view.transposed else view.inputs
+  return math.prod(shape[1:]) if len(shape) > 1 else math.prod(shape)
 
 
 def rows(view: Matrix | None, x: jax.Array) -> jax.Array:

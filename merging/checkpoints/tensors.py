@@ -74,8 +74,7 @@ class TensorMerge:
   @staticmethod
   def spans(state: dict, size: int) -> list[tuple[int, int]]:
     """The blocks a tensor is merged in: each of whole rows where its draws read rows."""
-    row = state.get('row')
-    return pipeline.blocks(size, pipeline.BLOCK - pipeline.BLOCK % row if row else pipeline.BLOCK)
+    return _row_blocks(size, state.get('row'))
 
   def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan,
              row: int | None) -> tuple:
@@ -90,7 +89,7 @@ class TensorMerge:
       return keys, None
     # Summed on the host in float64: the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
-    for start, stop in self.spans({'row': row}, size):
+    for start, stop in _row_blocks(size, row):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
       magnitudes = [np.abs(pipeline.host_delta(theta, buffers[0])) for theta in buffers[1:]]
@@ -108,6 +107,7 @@ class TensorMerge:
     for start, stop in pipeline.blocks(size):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
+      # Here, before the first block merges: a NaN anywhere makes every block's sums NaN.
       if not self.plan.allow_nonfinite:
         _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
       total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:]), np.float64)
@@ -214,7 +214,7 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
     for i, vector in enumerate(vectors):
       draw, delta = plan.sparsity(i).draw, vector.delta[_LEAF]
       if draw is not None and draw.p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
-        q = 1 - draw.p if spread is None or spread[i] is None else spread[i]
+        q = _keep_probability(draw, spread, i)
         kept = ops.kept_entries(keys[i], q, start, delta.size)
         delta = ops.dropped(delta, kept, q, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
@@ -249,6 +249,18 @@ def _spread(plan: plan_lib.Plan, magnitudes: list[np.ndarray], row: int | None) 
   return spread
 
 
+def _keep_probability(draw, spread: list | None, model: int):
+  """Model `model`'s keep probability in a block: its own per entry where its draw spreads it
+  over rows (`_spread`), else 1 − p (a constant in the program, as in the in-memory merge)."""
+  return 1 - draw.p if spread is None or spread[model] is None else spread[model]
+
+
+def _row_blocks(size: int, row: int | None) -> list[tuple[int, int]]:
+  """`pipeline.blocks` of a tensor, each the most whole rows of `row` a block holds (where
+  given)."""
+  return pipeline.blocks(size, pipeline.BLOCK - pipeline.BLOCK % row if row else None)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int,
                 spread: list | None) -> jax.Array:
@@ -261,8 +273,7 @@ def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: in
     if draw is None or draw.p == 0:
       masks.append(jnp.ones(size, bool))
     else:
-      q = 1 - draw.p if spread is None or spread[i] is None else spread[i]
-      masks.append(ops.kept_entries(key, q, start, size))
+      masks.append(ops.kept_entries(key, _keep_probability(draw, spread, i), start, size))
   return jnp.stack(masks)
 
 
