@@ -25,6 +25,7 @@ and `...lora_B.weight` (outputs × r), and a module saved whole (`modules_to_sav
 
 import math
 import re
+from typing import Callable
 
 import flax.struct
 import jax
@@ -99,19 +100,25 @@ class LowRank:
                            'kept, with the fewest singular values (1: up to rank)'),
     distribute_scale=settings.flag(True, 'split Σ between A and B as Σ^½ each; else into A'))
 def factor(delta: np.ndarray, *, rank: int, sv_epsilon: float, energy: float,
-           distribute_scale: bool, name: str = 'a matrix') -> tuple[LowRank, float]:
+           distribute_scale: bool, name: str = 'a matrix',
+           top: Callable | None = None) -> tuple[LowRank, float]:
   """The truncated factors of one (outputs, inputs) delta, in float32 at s = 1 (its kernel
-  (inputs, outputs)), and the share of ‖ΔW‖²_F that B A keeps."""
+  (inputs, outputs)), and the share of ‖ΔW‖²_F that B A keeps.
+
+  `top(delta, k)` gives the top k singular triplets (U_k, σ_k, V_kᵀ); by default those of the
+  full SVD, as mergekit's. Only the top `rank` are read: ‖ΔW‖²_F, the energy's whole, is
+  summed from the entries."""
   if delta.ndim != 2:
     raise UserError(f'{name}: a LoRA factors a matrix; it is {delta.ndim}-D {delta.shape}')
   if rank > min(delta.shape):
     raise UserError(f'{name}: rank {rank} exceeds the matrix {delta.shape}; give a rank of at '
                     f'most {min(delta.shape)}')
-  u, s, vt = np.linalg.svd(np.asarray(delta, np.float32), full_matrices=False)
+  u, s, vt = (np.asarray(x, np.float32) for x in (top or _top)(np.asarray(delta, np.float32),
+                                                                rank))
   r = rank
   if sv_epsilon > 0:
     r = min(r, int(np.count_nonzero(s > sv_epsilon)))
-  total = float(np.sum(np.square(s, dtype=np.float64)))
+  total = float(np.sum(np.square(delta, dtype=np.float64)))
   if energy < 1 and total > 0:
     held = np.cumsum(np.square(s, dtype=np.float64)) / total
     r = min(r, int(np.searchsorted(held, energy)) + 1)
@@ -122,6 +129,11 @@ def factor(delta: np.ndarray, *, rank: int, sv_epsilon: float, energy: float,
   factors = LowRank(u[:, :r] * b_scale[None, :], a_scale[:, None] * vt[:r],
                     np.ones((), np.float32), delta.shape[::-1])
   return factors, kept
+
+
+def _top(delta: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  u, s, vt = np.linalg.svd(delta, full_matrices=False)
+  return u[:, :k], s[:k], vt[:k]
 
 
 def lora_keys(module: str) -> tuple[str, str]:

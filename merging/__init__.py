@@ -23,9 +23,10 @@ the polar factor) live in `merging.ops`; LiNeS (`merging.lines`) rescales any me
 import dataclasses
 import functools
 import inspect
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import ml_collections
+import numpy as np
 
 from editing import regimes
 from editing import registry
@@ -101,6 +102,9 @@ class Method:
   # where the settings need more), which a streamed merge adds over a tensor's blocks in a pass
   # before it merges them a block at a time; its merge takes the whole tensor's as `totals`.
   sums: Callable[..., Callable | None] | None = None
+  # check_sums(totals, name, weights) refuses a tensor's sums that its merge cannot be made
+  # from, naming the tensor: a streamed merge calls it before the blocks merge under jit.
+  check_sums: Callable[[np.ndarray, str, Sequence[float] | None], None] | None = None
   # Whether an entry's merge reads only that entry of each task vector (a streamed merge may
   # then split a tensor over devices); not so for an SVD or a cosine over the tensor.
   elementwise: bool = True
@@ -225,13 +229,15 @@ REGISTRY: dict[str, Method] = {
                                                ('select_topk', 'int8_mask'))}),
     'slerp': Method(slerp.merge, vectors=1, sums=slerp.streamed_sums, **_SPHERICAL,
                     mergekit={'slerp': Translation({}, ('t',), required=('t',))}),
-    'nuslerp': Method(nuslerp.merge, vectors=2, **_SPHERICAL, mergekit={
-        'nuslerp': Translation({'flatten': True, 'row_wise': False},
-                               ('nuslerp_flatten', 'nuslerp_row_wise'), ('weight',),
-                               base='optional')}),
-    'multislerp': Method(multislerp.merge, **_SPHERICAL, mergekit={
+    'nuslerp': Method(nuslerp.merge, vectors=2, sums=nuslerp.streamed_sums, **_SPHERICAL,
+                      mergekit={'nuslerp': Translation(
+                          {'flatten': True, 'row_wise': False},
+                          ('nuslerp_flatten', 'nuslerp_row_wise'), ('weight',),
+                          base='optional')}),
+    'multislerp': Method(multislerp.merge, sums=multislerp.streamed_sums,
+                         check_sums=multislerp.check_sums, **_SPHERICAL, mergekit={
         'multislerp': Translation({}, ('normalize_weights',), ('weight',), base='optional')}),
-    'karcher': Method(karcher.merge, **_SPHERICAL, mergekit={
+    'karcher': Method(karcher.merge, sums=karcher.streamed_sums, **_SPHERICAL, mergekit={
         'karcher': Translation({'max_iter': 10, 'tol': 1e-5, 'task_space': False},
                                ('max_iter', 'tol'), base='averaged')}),
     'nearswap': Method(nearswap.merge, vectors=1, scaled=False,

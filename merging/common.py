@@ -81,6 +81,26 @@ def interpolated(task_vectors: Sequence[TaskVector], theta0: PyTree, task_space:
   return tree_lib.map_with_path(leaf, *[v.delta for v in task_vectors])
 
 
+def gram(points: Sequence[jax.Array]) -> jax.Array:
+  """G_ij = x_i·x_j of the points read as flat vectors, in float32: sums over their entries,
+  from which the spherical merges find their norms and angles (a streamed merge adds a tensor's
+  blocks' before it merges them; the zero padding of a last block adds nothing)."""
+  x = jnp.stack([jnp.asarray(p, jnp.float32).ravel() for p in points])
+  return jnp.matmul(x, x.T, precision=jax.lax.Precision.HIGHEST)
+
+
+def gram_sums(task_space: bool) -> Callable:
+  """sums(theta0, deltas) of a leaf, the `gram` of the points `interpolated` merges: the task
+  vectors (`task_space`) or the models' weights θ0 + τ_t."""
+  return lambda theta0, deltas: gram(list(deltas) if task_space else
+                                     [theta0 + d for d in deltas])
+
+
+def combination(points: Sequence[jax.Array], coefficients: jax.Array) -> jax.Array:
+  """Σ_i c_i x_i, in float32: a spherical merge's result, which lies in its inputs' span."""
+  return sum(coefficients[i] * jnp.asarray(x, jnp.float32) for i, x in enumerate(points))
+
+
 def merged(task_vectors: Sequence[TaskVector], delta: PyTree) -> TaskVector:
   """A vector carrying `delta` and the union of the inputs' tasks, regime and base."""
   tasks = tuple(dict.fromkeys(t for v in task_vectors for t in v.tasks))

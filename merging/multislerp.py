@@ -11,13 +11,19 @@ mergekit's `multislerp`, per tensor, each flattened (x_i the models' weights θ_
 with ε = 1e-8. Where the weighted mean of directions vanishes (antipodal inputs), two inputs
 fall back to their weighted sum and more are refused, as in mergekit; inputs that are all
 zero (a tensor that no fine-tuning changed) give zero, where mergekit refuses them too.
-τ_m is the result less θ0 (weights) or the result itself; applied at λ = 1. The norms are
-tested on the host, so the merge runs eagerly, not under jit.
+τ_m is the result less θ0 (weights) or the result itself; applied at λ = 1. Every vector
+above lies in the inputs' span, so the result is Σ_i c_i x_i with c found from the inputs'
+Gram x_i·x_j alone (`coefficients`): a streamed merge sums the Gram over a tensor's blocks,
+then merges a block at a time, and the in-memory merge takes the same path over the whole
+tensor (the two agree within float32 summation; mergekit's order of operations, within
+float32 rounding of its own).
 """
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from editing import settings
 from editing.errors import UserError
@@ -27,40 +33,65 @@ from merging import common
 EPS = 1e-8
 
 
-def interpolate(xs: Sequence, weights: Sequence[float], name: str = 'a tensor') -> jnp.ndarray:
-  """The Multi-SLERP of one tensor's inputs `xs`, in float32."""
-  shape = jnp.shape(xs[0])
-  if len(xs) == 1:
-    return jnp.asarray(xs[0], jnp.float32)
-  flat = jnp.stack([jnp.asarray(x, jnp.float32).ravel() for x in xs])
+def coefficients(gram: jax.Array, weights: Sequence[float], name: str = 'a tensor') -> jax.Array:
+  """c with Multi-SLERP(x_1..x_N) = Σ_i c_i x_i, from the inputs' Gram G_ij = x_i·x_j.
+
+  Every vector above lies in the span of the u_i = x_i/(‖x_i‖ + ε), so each is kept as its
+  coefficients a in that basis, with inner products aᵀHb, H_ij = u_i·u_j = G_ij/((‖x_i‖ +
+  ε)(‖x_j‖ + ε)): m̃ = Σ w_i u_i is w; m is μ = w/√(wᵀHw); u_i·m is (Hμ)_i; v is
+  w − (Σ_i w_i (Hμ)_i) μ."""
+  n = len(weights)
+  if n == 1:
+    return jnp.ones(1, jnp.float32)
+  g = jnp.asarray(gram, jnp.float32)
   w = jnp.asarray(weights, jnp.float32)
   w = w / w.sum()
-  norms = jnp.linalg.norm(flat, axis=1, keepdims=True)
-  if not float(norms.max()):
-    return jnp.zeros(shape, jnp.float32)
-  units = flat / (norms + EPS)
-  mean = (units * w[:, None]).sum(0)
-  if float(jnp.linalg.norm(mean)) < EPS:
-    if len(xs) == 2:
-      return (w[0] * flat[0] + w[1] * flat[1]).reshape(shape)
+  norms = jnp.sqrt(jnp.maximum(jnp.diagonal(g), 0.0))
+  scale = norms + EPS
+  h = g / jnp.outer(scale, scale)
+  mean_norm = jnp.sqrt(jnp.maximum(w @ h @ w, 0.0))
+  if not isinstance(mean_norm, jax.core.Tracer):
+    refuse_cancelling(float(mean_norm), float(norms.max()), n, name)
+  mu = w / mean_norm
+  tangent = w - jnp.sum(w * (h @ mu)) * mu
+  length = jnp.sqrt(jnp.maximum(tangent @ h @ tangent, 0.0)) + EPS
+  c = (mu * jnp.cos(length) + tangent * (jnp.sin(length) / length)) * jnp.sum(norms * w) / scale
+  if n == 2:  # antipodal directions whose weights cancel: their weighted sum, as mergekit
+    c = jnp.where(mean_norm < EPS, w, c)
+  return jnp.where(norms.max() > 0, c, 0.0)  # all zero: zero, where mergekit refuses
+
+
+def refuse_cancelling(mean_norm: float, largest_norm: float, count: int, name: str) -> None:
+  """The refusal of more than two inputs whose weighted mean of directions vanishes."""
+  if count > 2 and largest_norm > 0 and mean_norm < EPS:
     raise UserError(f'multislerp: the weighted mean of the directions of {name} is zero '
                     '(antipodal inputs whose weights cancel); give other weights')
-  mean = mean / jnp.linalg.norm(mean)
-  tangent = ((units - (units @ mean)[:, None] * mean) * w[:, None]).sum(0)
-  length = jnp.linalg.norm(tangent) + EPS
-  result = mean * jnp.cos(length) + tangent * (jnp.sin(length) / length)
-  return (result * (norms[:, 0] * w).sum()).reshape(shape)
+
+
+def check_sums(totals: np.ndarray, name: str, weights: Sequence[float] | None) -> None:
+  """Refuses a tensor's Gram (`sums`, found by a streamed merge before its blocks merge under
+  jit) that `coefficients` cannot merge from."""
+  coefficients(np.asarray(totals), [1.0] * len(totals) if weights is None else weights, name)
+
+
+def streamed_sums(task_space: bool, **_):
+  """What a streamed merge sums over a tensor's blocks before it merges them
+  (`merging.Method`): the Gram of the points."""
+  return common.gram_sums(task_space)
 
 
 @settings.declare(task_space=settings.flag(True, "interpolate the task vectors (mergekit "
                                            "given a base model); else the models' weights"))
 def merge(task_vectors: Sequence[TaskVector], *, theta0, task_space: bool,
-          weights: Sequence[float] | None = None) -> TaskVector:
-  """τ_m of the Multi-SLERP of the task vectors' models (or of the vectors)."""
+          weights: Sequence[float] | None = None, totals: dict | None = None) -> TaskVector:
+  """τ_m of the Multi-SLERP of the task vectors' models (or of the vectors); `totals`, each
+  leaf's Gram found beforehand (a streamed block's, of its whole tensor)."""
   check_compatible(task_vectors, 'multislerp')
   weights = [1.0] * len(task_vectors) if weights is None else list(weights)
   common.check_weights(weights, len(task_vectors), 'multislerp')
   if abs(sum(weights)) < 1e-12:
     raise UserError(f'multislerp: weights {weights} sum to zero; they are normalised to sum 1')
   return common.merged(task_vectors, common.interpolated(
-      task_vectors, theta0, task_space, lambda points, path: interpolate(points, weights, path)))
+      task_vectors, theta0, task_space, lambda points, path: common.combination(
+          points, coefficients(common.gram(points) if totals is None else totals[path],
+                               weights, path))))

@@ -250,16 +250,27 @@ def from_rows(view: Matrix | None, r: jax.Array, shape: tuple[int, ...]) -> jax.
 
 def per_matrix(task_vectors: Sequence[Any], merge_matrix: Callable[[list], jax.Array]) -> PyTree:
   """The merged deltas: merge_matrix([W_1..W_T]) of each matrix leaf (as `matrices` reads it),
-  the mean of the τ_t elsewhere."""
+  the mean of the τ_t elsewhere.
+
+  Every merge_matrix here (TSV-M, Iso-C, Iso-CTS, WUDI) makes zero of zero matrices, so a layer
+  that no task changed (every tensor but the adapted ones of a LoRA fine-tune merged as a
+  checkpoint) is not taken through its SVDs or steps where the arrays are concrete."""
   deltas = [tree_lib.flatten(v.delta) for v in task_vectors]
   merged = {}
   for path, view in matrices(task_vectors[0].delta).items():
     leaves = [jnp.asarray(d[path], jnp.float32) for d in deltas]
     if view is None:
       merged[path] = sum(leaves) / len(leaves)
+    elif _unchanged(leaves):
+      merged[path] = jnp.zeros_like(leaves[0])
     else:
       merged[path] = view.back(merge_matrix([view.of(x) for x in leaves]), leaves[0].shape)
   return tree_lib.unflatten(merged)
+
+
+def _unchanged(leaves: list) -> bool:
+  return (not any(isinstance(x, jax.core.Tracer) for x in leaves)
+          and not any(bool(jnp.any(x != 0)) for x in leaves))
 
 
 def polar(a: jax.Array) -> jax.Array:

@@ -100,6 +100,7 @@ PLANS = {
     'sce': checkpoints.Plan('sce', {'select_topk': 0.5}),
     'slerp': checkpoints.Plan('slerp', {'t': 0.3}),
     'nuslerp': checkpoints.Plan('nuslerp', {'flatten': False}, weights=(1.0, 3.0)),
+    'nuslerp_flat': checkpoints.Plan('nuslerp', {}, weights=(1.0, 3.0)),
     'multislerp': checkpoints.Plan('multislerp', {}, weights=(1.0, 2.0, 1.0)),
     'karcher': checkpoints.Plan('karcher', {}),
     'nearswap': checkpoints.Plan('nearswap', {'t': 0.01}),
@@ -107,12 +108,14 @@ PLANS = {
 }
 
 
-# Merges whose streamed sums over a tensor (L1 norms; SLERP's and Model Stock's norms and dot
-# products) are added a block at a time on the host (in float64), where the in-memory merge sums
-# the whole tensor in float32, in an order the compiler picks: a float32 sum of n terms is
-# within (n − 1)·eps of its value, relatively, so the factors made of them (a ratio of two such
-# sums, a cosine) agree to within about 2n·eps, and so do the merged weights they scale.
-ROUNDED = ('dare_ties_l1', 'della_l1', 'model_stock', 'slerp')
+# Merges whose streamed sums over a tensor (L1 norms; the spherical merges' and Model Stock's
+# norms and dot products) are added a block at a time on the host (in float64), where the
+# in-memory merge sums the whole tensor in float32, in an order the compiler picks: a float32
+# sum of n terms is within (n − 1)·eps of its value, relatively, so the factors made of them (a
+# ratio of two such sums, a cosine) agree to within about 2n·eps, and so do the merged weights
+# they scale.
+ROUNDED = ('dare_ties_l1', 'della_l1', 'karcher', 'model_stock', 'multislerp', 'nuslerp_flat',
+           'slerp')
 
 
 def assert_merged_equal(name, streamed, expected, err_msg):
@@ -146,7 +149,7 @@ def bits(x):
 # way of reading a tensor (a block at a time, ranked per tensor or over all, drawn, whole, an
 # L1 rescale) and the two whose outputs are not a merge.
 FLOAT32_TOO = ('task_arithmetic', 'ties', 'ties_global', 'dare', 'dare_ties_l1', 'tsv_m',
-               'slerp', 'negation', 'extract')
+               'slerp', 'karcher', 'negation', 'extract')
 
 
 @pytest.mark.parametrize('name, dtype', [
@@ -186,6 +189,26 @@ def test_tensors_merged_in_many_blocks_equal_the_in_memory_merge(tmp_path, monke
   streamed = reference.read_output(out)
   for n, x in reference.in_memory(base, models, PLANS[name]).items():
     assert_merged_equal(name, streamed[n], x, n)
+
+
+def test_multislerp_directions_that_cancel_are_refused_by_the_tensors_name(tmp_path):
+  """Task vectors d, −d, d weighted 1, 2, 1: their weighted mean direction is zero. The Gram
+  summed over the tensor's blocks says so before any block merges under jit."""
+  config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
+  base = {'model.norm.weight': np.ones(8, np.float32)}
+  d = np.linspace(-1, 1, 8, dtype=np.float32)
+  paths = []
+  for k, sign in enumerate((1, -1, 1)):
+    paths.append(str(tmp_path / f'ft{k}'))
+    hf.save(paths[-1], {'model.norm.weight': base['model.norm.weight'] + sign * d}, config,
+            shard_bytes=10**9)
+  hf.save(str(tmp_path / 'base'), base, config, shard_bytes=10**9)
+  out = str(tmp_path / 'out')
+  with pytest.raises(UserError, match='multislerp: the weighted mean of the directions of '
+                     'model.norm.weight is zero'):
+    checkpoints.merge(str(tmp_path / 'base'), paths, out,
+                      checkpoints.Plan('multislerp', {}, weights=(1.0, 2.0, 1.0)))
+  assert not os.path.exists(out) and not os.path.exists(out + '.partial')
 
 
 def ranked_by_blocks(monkeypatch) -> list:

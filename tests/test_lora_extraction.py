@@ -11,6 +11,7 @@ from editing import lora
 from editing.errors import UserError
 from editing.models import hf
 from merging import checkpoints
+from merging import svd
 
 DEFAULTS = dict(rank=16, sv_epsilon=0.0, energy=1.0, distribute_scale=True)
 
@@ -38,6 +39,22 @@ def test_factors_rebuild_the_truncated_svd_and_report_the_energy_kept():
   undistributed, _ = lora.factor(delta, **{**DEFAULTS, 'rank': 3, 'distribute_scale': False})
   np.testing.assert_allclose(np.linalg.norm(undistributed.b, axis=0), 1.0, rtol=1e-5)
   np.testing.assert_allclose(undistributed.b @ undistributed.a, delta, atol=1e-5)
+
+
+def test_factors_by_a_sketch_rebuild_a_decaying_spectrum_as_the_full_svd_does():
+  """σ_i = 2^{-i}: the sketch's l = 26 columns and 2 power iterations miss σ_17 by about
+  (σ_27/σ_16)^5 = 2^{-55}, so B A agrees with the full SVD's to float32's rounding; the energy
+  kept is Σ_{i≤16} σ_i² over ‖ΔW‖²_F, whose whole the sketch never sees."""
+  sigma = 2.0 ** -np.arange(40)
+  delta = low_rank(np.random.default_rng(1), (120, 90), 40, sigma).astype(np.float32)
+  full, full_energy = lora.factor(delta, **DEFAULTS)
+  sketched, energy = lora.factor(delta, **DEFAULTS, top=svd.top_singular)
+  np.testing.assert_allclose(sketched.b @ sketched.a, full.b @ full.a, atol=1e-6)
+  expected = np.sum(sigma[:16] ** 2) / np.sum(sigma ** 2)
+  assert energy == pytest.approx(expected, rel=1e-6)
+  assert full_energy == pytest.approx(expected, rel=1e-6)
+  # The energy cut reads only the top `rank` values: 0.99 of σ² = 4^{-i} is in the first 4.
+  assert lora.factor(delta, **{**DEFAULTS, 'energy': 0.99}, top=svd.top_singular)[0].rank == 4
 
 
 def test_a_rank_above_the_matrix_is_refused_naming_it():

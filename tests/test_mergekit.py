@@ -8,6 +8,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from configs import merge_checkpoints as merge_checkpoints_config
 from configs import quickstart
@@ -667,3 +668,34 @@ def test_the_checkpoint_benchmark_holds_each_case_against_the_floor_of_its_input
   config.benchmark.recipes = 'slerp,ties_global'
   with pytest.raises(UserError, match=r"\['ties_global'\] are not checkpoint benchmark cases"):
     checkpoint_benchmark.run(config, str(tmp_path), FOUR_LAYERS)
+  # A randomized case brings its exact one; a sketch as wide as these 16 × 16 matrices is the
+  # exact SVD, so the two adapters agree to float32 rounding.
+  config.benchmark.recipes = 'extract_lora_randomized'
+  results = checkpoint_benchmark.run(config, str(tmp_path), FOUR_LAYERS, runs=1)['results']
+  assert set(results) == {'floor_1', 'extract_lora', 'extract_lora_randomized'}
+  assert 'error' not in results['extract_lora'] and results['extract_lora_randomized']['error'] < 1e-5
+
+
+def test_the_benchmarks_error_is_each_outputs_change_against_the_exact_ones(tmp_path):
+  """Checkpoints: ‖Δ − Δ*‖/‖Δ*‖ of their changes from the base over all tensors; adapters:
+  of their products B A, whatever factors hold them."""
+  config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}
+  base = {'a': np.zeros((2, 2), np.float32), 'b': np.ones(3, np.float32)}
+  exact = {'a': np.array([[3, 0], [0, 0]], np.float32), 'b': np.ones(3, np.float32)}
+  near = {'a': np.array([[3, 0], [0, 0]], np.float32), 'b': np.array([1, 1, 5], np.float32)}
+  for name, tensors in (('base', base), ('exact', exact), ('near', near)):
+    hf.save(str(tmp_path / name), tensors, config, shard_bytes=10**9)
+  error = checkpoint_benchmark.relative_error(str(tmp_path / 'near'), str(tmp_path / 'exact'),
+                                              str(tmp_path / 'base'))
+  assert error == pytest.approx(4 / 3)
+  rng = np.random.default_rng(0)
+  b, a = rng.normal(size=(5, 2)), rng.normal(size=(2, 4))
+  turn = np.array([[0.0, -1.0], [1.0, 0.0]])  # B R and Rᵀ A: other factors, the same product
+  key = 'base_model.model.model.layers.0.self_attn.q_proj.'
+  for name, (b_i, a_i) in (('one', (b, a)), ('other', (b @ turn, turn.T @ a))):
+    os.makedirs(tmp_path / name)
+    safetensors.numpy.save_file({key + 'lora_B.weight': b_i.astype(np.float32),
+                                 key + 'lora_A.weight': a_i.astype(np.float32)},
+                                str(tmp_path / name / 'adapter_model.safetensors'))
+  assert checkpoint_benchmark.relative_error(str(tmp_path / 'other'), str(tmp_path / 'one'),
+                                             str(tmp_path / 'base')) < 1e-6

@@ -7,9 +7,11 @@ import pytest
 
 import merging
 from editing.task_vector import TaskVector
+from merging import iso_c
 from merging import iso_cts
 from merging import lines
 from merging import ops
+from merging import tsv_m
 from merging import wudi
 
 RNG = np.random.default_rng(0)
@@ -108,6 +110,31 @@ def test_svd_merges_equal_a_numpy_reference(name, reference):
 
 def singular_values(path, x):
   return np.linalg.svd(numpy_matrix(path, x), compute_uv=False)
+
+
+MATRIX_MERGES = {
+    'tsv_m': lambda ms: tsv_m.merge_matrix(ms, 'full'),
+    'iso_c': iso_c.merge_matrix,
+    'iso_cts': lambda ms: iso_cts.merge_matrix(ms, 0.8, 'full'),
+    'wudi': lambda ms: wudi.solve(np.stack(ms), steps=5, learning_rate=1e-5)}
+
+
+@pytest.mark.parametrize('name', list(MATRIX_MERGES))
+def test_a_layer_no_task_changed_merges_to_zero_without_its_svds(name, monkeypatch):
+  """Each method's Δ of zero matrices is zero (σ = 0 scales every direction it keeps; WUDI's
+  gradient at 0 is 0), so per_matrix skips such a layer: the SVD never sees its shape."""
+  assert not np.any(np.asarray(MATRIX_MERGES[name]([np.zeros((10, 6), np.float32)] * 3)))
+  zero = 'blocks_0/mlp_fc/kernel'
+  tasks = vectors()
+  for v in tasks:
+    v.delta['blocks_0']['mlp_fc']['kernel'] = np.zeros(SHAPES[zero], np.float32)
+  given = {'steps': 5} if name == 'wudi' else {}
+  seen = []
+  thin = merging.svd.thin
+  monkeypatch.setattr(merging.svd, 'thin', lambda m: seen.append(m.shape) or thin(m))
+  merged = flat(merging.get(name).merge(tasks, **given))
+  assert not np.any(merged[zero]) and merged[zero].shape == SHAPES[zero]
+  assert (10, 6) not in seen and (name == 'wudi' or seen)
 
 
 def test_iso_c_flattens_every_layer_spectrum_to_the_mean_of_the_sum():

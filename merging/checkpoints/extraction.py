@@ -12,7 +12,9 @@ lora_embedding_B (dim × r). A linear
 layer's changed bias has no place in a LoRA adapter (PEFT's lora_bias is not written) and is
 refused. adapter_config.json sets lora_alpha = r, so PEFT's scale α/r is 1, with a
 rank_pattern and alpha_pattern for the modules of fewer singular values. Every tensor is read
-once, a tensor at a time; the factors, small, are written when all are known.
+once, a tensor at a time; the factors, small, are written when all are known. Each factor's
+r ≪ min(outputs, inputs) triplets may be found by a randomized sketch (`svd='randomized'`,
+`merging.svd`) instead of mergekit's full SVD.
 """
 
 import json
@@ -28,6 +30,7 @@ from editing import settings
 from editing.errors import UserError
 from editing.models import hf
 from editing.models import peft_adapter
+from merging import svd as svd_lib
 
 REPORT = 'extraction.json'
 _EMBEDDINGS = ('embed', 'wte', 'wpe', 'shared')  # token or position tables
@@ -38,6 +41,7 @@ _HEAD = 'lm_head'
     whole=settings.choice('save', ('save', 'skip'), 'the modules LoRA does not factor: saved '
                           'whole in modules_to_save, or left out'),
     embed_lora=settings.flag(False, 'factor the token tables (embedding LoRA) and the head too'),
+    svd=svd_lib.SETTING,
     **lora.factor.settings)
 def options(**chosen) -> dict:
   """The extraction's settings (`factor`'s and `whole`), checked."""
@@ -69,7 +73,8 @@ def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dic
           base_path: str) -> dict:
   """Writes the adapter of `tuned` over `base` into `directory`; returns what each module
   kept."""
-  factor_settings = {k: v for k, v in chosen.items() if k not in ('whole', 'embed_lora')}
+  factor_settings = {k: v for k, v in chosen.items() if k not in ('whole', 'embed_lora', 'svd')}
+  top = None if chosen['svd'] == 'full' else svd_lib.top_singular
   tensors, ranks, energies, saved = {}, {}, {}, []
   for module, parameters in _modules(base).items():
     if not _factored(module, parameters, base, chosen['embed_lora']):
@@ -85,7 +90,7 @@ def write(base: hf.Checkpoint, tuned: hf.Checkpoint, directory: str, chosen: dic
     name = parameters['weight']
     delta = tuned.tensor(name).astype(np.float32) - base.tensor(name).astype(np.float32)
     embedding = _embedding(module)
-    factors, energies[module] = lora.factor(delta.T if embedding else delta, name=name,
+    factors, energies[module] = lora.factor(delta.T if embedding else delta, name=name, top=top,
                                             **factor_settings)
     key_a, key_b = (lora.embedding_keys if embedding else lora.lora_keys)(module)
     tensors[key_a], tensors[key_b] = factors.a, factors.b

@@ -60,6 +60,8 @@ class TensorMerge:
       state['merged'] = self._merge_whole(name, shape, plan)
     elif self.plan.sums is not None:
       state['totals'] = self._totals(name, size, dtype)
+      if self.plan.entry.check_sums is not None:
+        self.plan.entry.check_sums(state['totals'], name, plan.weights)
     elif plan.ranked:
       state['cuts'] = self.ranking.cuts(name, size, plan)
     elif plan.draws:

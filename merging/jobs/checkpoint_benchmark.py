@@ -12,11 +12,15 @@ models it takes (SLERP and the one-model methods fewer), and the floors they are
               their declared defaults), over the first N fine-tunes
   passthrough the base's first four layers stacked on a fine-tune's last four (mergekit's
               `slices`), against floor_1
+  <method>_randomized
+              an SVD merge whose kept triplets a randomized sketch finds (`merging.svd`),
+              with its output's relative error against the same method's full SVDs
 
 They run in turn, each `runs` times over (the machine's noise moves all of them; the floor's
 first read may also find a cold page cache), and each reports its fastest run. The table
 reports wall time, its ratio to the floor of the same inputs, peak RSS and its ratio to the
-largest tensor's size.
+largest tensor's size (and a sketch's error). The fixture's deltas are Gaussian noise, whose
+flat spectra are a sketch's hardest case: a fine-tune's decaying spectrum is found closer.
 """
 
 import json
@@ -29,10 +33,12 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+import safetensors.numpy
 
 from editing import atomic
 from editing.errors import UserError
 from editing.models import hf
+from editing.models import peft_adapter
 from merging import checkpoints
 from merging.checkpoints import passthrough
 from merging.checkpoints import pipeline
@@ -43,6 +49,7 @@ class Case(NamedTuple):
   settings: dict = {}
   models: int = 3  # the fine-tunes it merges, the first ones of the fixture
   runs: int = 1
+  exact: str | None = None  # the case whose output this one's randomized SVDs approximate
 
 
 # The fast ones run five times, where a tenth of a second of noise moves the ratio; the SVD
@@ -74,9 +81,13 @@ CASES = {
     'arcee_fusion': Case('arcee_fusion', models=1, runs=3),
     'negation': Case('negation', models=1, runs=3),
     'extract_lora': Case('extract_lora', {'rank': 16}, models=1, runs=3),
+    'extract_lora_randomized': Case('extract_lora', {'rank': 16, 'svd': 'randomized'},
+                                    models=1, runs=3, exact='extract_lora'),
     'tsv_m': Case('tsv_m'),
+    'tsv_m_randomized': Case('tsv_m', {'svd': 'randomized'}, exact='tsv_m'),
     'iso_c': Case('iso_c'),
     'iso_cts': Case('iso_cts'),
+    'iso_cts_randomized': Case('iso_cts', {'svd': 'randomized'}, exact='iso_cts'),
     'wudi': Case('wudi', {'steps': 10}),
 }
 SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
@@ -153,6 +164,28 @@ def measure(name: str, base: str, models: list[str], output: str) -> dict:
   return {'seconds': time.time() - start, 'peak_rss_bytes': _peak_rss()}
 
 
+def relative_error(approximate: str, exact: str, base: str) -> float:
+  """‖Δ − Δ*‖_F / ‖Δ*‖_F over every tensor: Δ what the approximate case wrote and Δ* what the
+  exact one did, each a merged checkpoint's change from the base or an adapter's B A."""
+  adapter = os.path.join(exact, peft_adapter.ADAPTER)
+  if os.path.exists(adapter):
+    changes = lambda d: _adapter_products(os.path.join(d, peft_adapter.ADAPTER))
+  else:
+    theta0 = hf.Checkpoint(base)
+    changes = lambda d: {n: hf.Checkpoint(d).tensor(n).astype(np.float64) - theta0.tensor(n)
+                         for n in theta0.files}
+  ours, reference = changes(approximate), changes(exact)
+  gap = sum(np.sum((ours[n] - reference[n]) ** 2) for n in reference)
+  return float(np.sqrt(gap / sum(np.sum(x ** 2) for x in reference.values())))
+
+
+def _adapter_products(path: str) -> dict[str, np.ndarray]:
+  """{module: B A} of a LoRA adapter's factored modules, in float64."""
+  tensors = safetensors.numpy.load_file(path)
+  return {name: tensors[name.replace('lora_A', 'lora_B')].astype(np.float64) @ a
+          for name, a in tensors.items() if 'lora_A' in name}
+
+
 def _peak_rss() -> int:
   """This process's peak resident memory (VmHWM: unlike getrusage's maxrss, not inherited from
   the parent this process was forked from)."""
@@ -170,8 +203,8 @@ def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> d
   if unknown:
     raise UserError(f'config.benchmark.recipes: {unknown} are not checkpoint benchmark cases; '
                     f'known: {list(CASES)}')
-  floors = {f'floor_{CASES[c].models}' for c in chosen}
-  cases = {c: CASES[c] for c in CASES if c in floors or c in chosen}
+  needed = {f'floor_{CASES[c].models}' for c in chosen} | {CASES[c].exact for c in chosen}
+  cases = {c: CASES[c] for c in CASES if c in needed or c in chosen}
   base, models = make_fixture(os.path.join(workdir, 'checkpoint_fixture'), shape)
   fixture = hf.Checkpoint(base)
   largest = max(math.prod(shape) * dtype.itemsize
@@ -190,14 +223,20 @@ def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> d
       measured = json.loads(proc.stdout.strip().splitlines()[-1])
       if name not in results or measured['seconds'] < results[name]['seconds']:
         results[name] = measured
-  lines = ['case               models   wall s   × floor   peak RSS MB   × largest tensor']
+  lines = ['case                     models   wall s   × floor   peak RSS MB   × largest tensor'
+           '   error']
   for name, r in results.items():
     models_merged = cases[name].models
     r['models'] = models_merged
     r['floor_ratio'] = r['seconds'] / results[f'floor_{models_merged}']['seconds']
     r['largest_tensor_ratio'] = r['peak_rss_bytes'] / largest
-    lines.append(f'{name:18} {models_merged:6} {r["seconds"]:8.1f} {r["floor_ratio"]:9.2f} '
-                 f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f}')
+    error = ''
+    if cases[name].exact:
+      merged = lambda case: os.path.join(workdir, 'checkpoint_merged', case)
+      r['error'] = relative_error(merged(name), merged(cases[name].exact), base)
+      error = f'{r["error"]:8.2e}'
+    lines.append(f'{name:24} {models_merged:6} {r["seconds"]:8.1f} {r["floor_ratio"]:9.2f} '
+                 f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f} {error}')
   print('\n'.join(lines))
   summary = {'fixture': shape, 'largest_tensor_bytes': largest,
              'settings': {n: c.settings for n, c in cases.items()}, 'results': results}
