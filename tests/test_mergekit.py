@@ -3,6 +3,7 @@ read onto the checkpoint merge (merging/mergekit/reader.py)."""
 
 import json
 import logging
+import math
 import os
 
 import ml_dtypes
@@ -674,6 +675,23 @@ def test_the_checkpoint_benchmark_holds_each_case_against_the_floor_of_its_input
   results = checkpoint_benchmark.run(config, str(tmp_path), FOUR_LAYERS, runs=1)['results']
   assert set(results) == {'floor_1', 'extract_lora', 'extract_lora_randomized'}
   assert 'error' not in results['extract_lora'] and results['extract_lora_randomized']['error'] < 1e-5
+
+
+def test_the_1b_fixture_has_llama_3_2_1bs_parameters_and_a_small_one_its_dtype_and_tied_head(
+    tmp_path):
+  """1,235,814,400: Llama-3.2-1B's published parameter count (its head tied to its table)."""
+  shapes = checkpoint_benchmark.fixture_shapes(checkpoint_benchmark.FIXTURES['llama_1b'])
+  assert sum(math.prod(s) for s in shapes.values()) == 1_235_814_400
+  small = dict(FOUR_LAYERS, tied=True, dtype='bfloat16', head=8)
+  base, models = checkpoint_benchmark.make_fixture(str(tmp_path / 'models'), small)
+  for path in [base] + models:
+    model = hf.Checkpoint(path)
+    assert 'lm_head.weight' not in model.files and model.config['tie_word_embeddings']
+    assert model.config['num_attention_heads'] == 2
+    assert {model.header(n)[1] for n in model.files} == {np.dtype(ml_dtypes.bfloat16)}
+  delta = (hf.Checkpoint(models[0]).tensor('model.norm.weight').astype(np.float32) -
+           hf.Checkpoint(base).tensor('model.norm.weight').astype(np.float32))
+  assert 0 < np.abs(delta).max() < 0.01  # a fine-tune's small change, seen through bfloat16
 
 
 def test_the_benchmarks_error_is_each_outputs_change_against_the_exact_ones(tmp_path):

@@ -93,7 +93,7 @@ def test_compare_finds_the_largest_difference_and_the_ratio_of_deltas(tmp_path):
     (dict(mergekit=sys.executable, recipes='ties,frankenmerge'),
      r"\['frankenmerge'\] are not recipes"),
     (dict(mergekit=sys.executable, fixture='llama-7b'),
-     r"config.benchmark.fixture = 'llama-7b': one of \['benchmark', 'tiny'\]"),
+     r"config.benchmark.fixture = 'llama-7b': one of \['benchmark', 'llama_1b', 'tiny'\]"),
 ])
 def test_a_missing_command_or_an_unknown_recipe_is_named(tmp_path, settings, message):
   config = quickstart.get_config('tiny')

@@ -32,10 +32,12 @@ import time
 from typing import NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
 from editing import atomic
+from editing import registry
 from editing.errors import UserError
 from editing.models import hf
 from editing.models import peft_adapter
@@ -91,13 +93,20 @@ CASES = {
     'wudi': Case('wudi', {'steps': 10}),
 }
 SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
+# The fixtures by name: their shapes, and where they differ from SHAPE's defaults their head
+# size, tied token table and dtype. llama_1b has Llama-3.2-1B's shapes (1.24B parameters, the
+# head tied to the token table), in bfloat16: about 2.5 GB a model, 10 GB written once.
+FIXTURES = {'benchmark': SHAPE,
+            'llama_1b': dict(hidden=2048, layers=16, vocab=128256, mlp=8192, kv=512, head=64,
+                             tied=True, dtype='bfloat16')}
 
 
-def fixture_tensors(seed: int, base: dict | None = None,
-                    shape: dict = SHAPE) -> dict[str, np.ndarray]:
-  h, rng = shape['hidden'], np.random.default_rng(seed)
-  shapes = {'model.embed_tokens.weight': (shape['vocab'], h), 'model.norm.weight': (h,),
-            'lm_head.weight': (shape['vocab'], h)}
+def fixture_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
+  """{tensor name: its shape} of a Llama of `shape`, as Hugging Face names them."""
+  h = shape['hidden']
+  shapes = {'model.embed_tokens.weight': (shape['vocab'], h), 'model.norm.weight': (h,)}
+  if not shape.get('tied'):
+    shapes['lm_head.weight'] = (shape['vocab'], h)
   for i in range(shape['layers']):
     layer = f'model.layers.{i}.'
     shapes.update({layer + 'self_attn.q_proj.weight': (h, h),
@@ -109,10 +118,20 @@ def fixture_tensors(seed: int, base: dict | None = None,
                    layer + 'mlp.down_proj.weight': (h, shape['mlp']),
                    layer + 'input_layernorm.weight': (h,),
                    layer + 'post_attention_layernorm.weight': (h,)})
+  return shapes
+
+
+def fixture_tensors(seed: int, base: dict | None = None,
+                    shape: dict = SHAPE) -> dict[str, np.ndarray]:
+  """A base (θ0 ~ N(0, 0.02²)) or, given it, a fine-tune θ0 + N(0, 0.001²), in the shape's
+  dtype (the noise drawn in float32)."""
+  rng = np.random.default_rng(seed)
+  dtype = ml_dtypes.bfloat16 if shape.get('dtype') == 'bfloat16' else np.float32
   out = {}
-  for name, shape in shapes.items():
-    noise = rng.standard_normal(shape, np.float32)
-    out[name] = noise * 0.02 if base is None else base[name] + 0.001 * noise
+  for name, size in fixture_shapes(shape).items():
+    noise = rng.standard_normal(size, np.float32)
+    x = noise * 0.02 if base is None else base[name].astype(np.float32) + 0.001 * noise
+    out[name] = x.astype(dtype, copy=False)
   return out
 
 
@@ -120,13 +139,15 @@ def make_fixture(directory: str, shape: dict = SHAPE) -> tuple[str, list[str]]:
   base_dir = os.path.join(directory, 'base')
   models = [os.path.join(directory, f'ft{k}') for k in range(3)]
   if not all(os.path.exists(os.path.join(d, hf.SINGLE)) for d in [base_dir] + models):
-    # The Llama config mergekit reads the layer count and sizes from (heads of 16 dimensions).
+    # The Llama config mergekit reads the layer count and sizes from.
+    head = shape.get('head', 16)
     config = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
               'hidden_size': shape['hidden'], 'num_hidden_layers': shape['layers'],
               'intermediate_size': shape['mlp'], 'vocab_size': shape['vocab'],
-              'num_attention_heads': shape['hidden'] // 16,
-              'num_key_value_heads': shape['kv'] // 16, 'tie_word_embeddings': False,
-              'torch_dtype': 'float32'}
+              'num_attention_heads': shape['hidden'] // head,
+              'num_key_value_heads': shape['kv'] // head,
+              'tie_word_embeddings': bool(shape.get('tied')),
+              'torch_dtype': shape.get('dtype', 'float32')}
     base = fixture_tensors(0, shape=shape)
     hf.save(base_dir, base, config, shard_bytes=2**40)
     for k, path in enumerate(models):
@@ -194,10 +215,20 @@ def _peak_rss() -> int:
   return int(line.split()[1]) * 1024
 
 
-def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> dict:
+def fixture_directory(name: str) -> str:
+  """Where under a workdir the fixture `name` of FIXTURES is written."""
+  return 'checkpoint_fixture' if name == 'benchmark' else f'checkpoint_fixture_{name}'
+
+
+def run(config, workdir: str, shape: dict | None = None, runs: int | None = None) -> dict:
   """Every case of `config.benchmark.recipes` (comma-separated; all: '') and the floors they
-  are held against, on the fixture of `shape`, each run its `runs` times (at most `runs`, if
-  given); writes <workdir>/checkpoint_benchmark.json."""
+  are held against, on the fixture `config.benchmark.fixture` names (default 'benchmark'), or
+  one of `shape`, each run its `runs` times (at most `config.benchmark.runs` or `runs`, where
+  given); writes <workdir>/checkpoint_benchmark.json (_<fixture>.json for another)."""
+  fixture_name = 'shape' if shape is not None else config.benchmark.fixture or 'benchmark'
+  if shape is None:
+    shape = registry.lookup(FIXTURES, fixture_name, 'config.benchmark.fixture')
+  runs = runs or config.benchmark.get('runs') or None
   chosen = [r for r in config.benchmark.recipes.split(',') if r] or list(CASES)
   unknown = sorted(set(chosen) - set(CASES))
   if unknown:
@@ -205,7 +236,7 @@ def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> d
                     f'known: {list(CASES)}')
   needed = {f'floor_{CASES[c].models}' for c in chosen} | {CASES[c].exact for c in chosen}
   cases = {c: CASES[c] for c in CASES if c in needed or c in chosen}
-  base, models = make_fixture(os.path.join(workdir, 'checkpoint_fixture'), shape)
+  base, models = make_fixture(os.path.join(workdir, fixture_directory(fixture_name)), shape)
   fixture = hf.Checkpoint(base)
   largest = max(math.prod(shape) * dtype.itemsize
                 for shape, dtype in map(fixture.header, fixture.files))
@@ -240,5 +271,6 @@ def run(config, workdir: str, shape: dict = SHAPE, runs: int | None = None) -> d
   print('\n'.join(lines))
   summary = {'fixture': shape, 'largest_tensor_bytes': largest,
              'settings': {n: c.settings for n, c in cases.items()}, 'results': results}
-  atomic.write_json(os.path.join(workdir, 'checkpoint_benchmark.json'), summary)
+  suffix = '' if fixture_name in ('benchmark', 'shape') else f'_{fixture_name}'
+  atomic.write_json(os.path.join(workdir, f'checkpoint_benchmark{suffix}.json'), summary)
   return summary

@@ -6,8 +6,9 @@
 Each recipe of RECIPES (one or two per method, mergekit's defaults unless it says otherwise)
 runs through both tools, each in its own process, whole process timed, on a generated
 Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s) of
-`config.benchmark.fixture`: 'tiny' (TINY's size, where start-up is most of the time) or
-'benchmark' (the checkpoint benchmark's 136M parameters a model). The table reports each
+`config.benchmark.fixture`: 'tiny' (TINY's size, where start-up is most of the time; the
+default), 'benchmark' (the checkpoint benchmark's 136M parameters a model) or 'llama_1b'
+(Llama-3.2-1B's shapes in bfloat16). The table reports each
 output's largest difference from mergekit's, and the ratio of their Σ |θ − θ0| (a random
 method, DARE or DELLA, draws other masks than mergekit's: its outputs agree only in
 distribution, so that ratio is its measure). mergekit is not a dependency: it is run as the
@@ -128,12 +129,13 @@ def run(config, workdir: str) -> dict:
   if unknown:
     raise UserError(f'config.benchmark.recipes: {unknown} are not recipes; known: '
                     f'{sorted(RECIPES)}')
-  fixtures = {'tiny': ('mergekit_fixture', TINY),
-              'benchmark': ('checkpoint_fixture', checkpoint_benchmark.SHAPE)}
-  if config.benchmark.fixture not in fixtures:
-    raise UserError(f'config.benchmark.fixture = {config.benchmark.fixture!r}: one of '
-                    f'{sorted(fixtures)}')
-  directory, shape = fixtures[config.benchmark.fixture]
+  fixtures = {'tiny': ('mergekit_fixture', TINY), **{
+      name: (checkpoint_benchmark.fixture_directory(name), shape)
+      for name, shape in checkpoint_benchmark.FIXTURES.items()}}
+  fixture = config.benchmark.fixture or 'tiny'
+  if fixture not in fixtures:
+    raise UserError(f'config.benchmark.fixture = {fixture!r}: one of {sorted(fixtures)}')
+  directory, shape = fixtures[fixture]
   base, models = checkpoint_benchmark.make_fixture(os.path.join(workdir, directory), shape)
   results = {}
   for name in names:
