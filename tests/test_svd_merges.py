@@ -2,6 +2,7 @@
 a plain numpy reference with the reference implementation's conventions, and its defining
 property."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -228,19 +229,22 @@ def test_wudi_lowers_the_interference_it_starts_from_and_follows_adam():
                              np.mean([flat(v)['blocks_0/mlp_fc/bias'] for v in vs], 0), rtol=1e-6)
 
 
-@pytest.mark.parametrize('shape', [(3, 12, 5), (3, 5, 12)], ids=['tall', 'wide'])
-def test_wudis_interference_of_tall_matrices_through_their_inputs_gram_is_the_papers(shape):
+@pytest.mark.parametrize('shape', [(3, 12, 5), (3, 5, 12), (3, 2, 20)],
+                         ids=['tall', 'wide', 'much_wider'])
+def test_wudis_closed_form_gradient_is_its_interferences_which_is_the_papers(shape):
+  """The interference against numpy's, and its gradient, through A and B (tall, wide) or task by
+  task (inputs > 2T·outputs), against numpy's 2 Σ_t (τ − τ_t) τ_tᵀ τ_t / ‖τ_t‖² and autodiff's."""
   rng = np.random.default_rng(3)
   ms, merged = rng.standard_normal(shape), rng.standard_normal(shape[1:])
   ms[1] = 0  # a zero τ_t adds nothing
-  direct = sum(np.sum(((merged - t) @ t.T) ** 2) / np.sum(t ** 2) for t in ms[[0, 2]])
-  m32 = ms.astype(np.float32)
-  grams = wudi.inputs_gram(m32)
-  assert (grams is None) == (shape[1] < shape[2])
-  if grams is not None:
-    assert grams.shape == (3, shape[2], shape[2])  # inputs × inputs, never outputs × outputs
-  np.testing.assert_allclose(wudi.interference(merged.astype(np.float32), m32, grams), direct,
-                             rtol=1e-5)
+  live = ms[[0, 2]]
+  direct = sum(np.sum(((merged - t) @ t.T) ** 2) / np.sum(t ** 2) for t in live)
+  expected = sum(2 * ((merged - t) @ t.T) @ t / np.sum(t ** 2) for t in live)
+  m32, merged32 = ms.astype(np.float32), merged.astype(np.float32)
+  np.testing.assert_allclose(wudi.interference(merged32, m32), direct, rtol=1e-5)
+  np.testing.assert_allclose(wudi.gradient(m32)(merged32), expected, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(jax.grad(wudi.interference)(merged32, m32), expected, rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_layers_read_as_matrices_as_pytorch_holds_them():
