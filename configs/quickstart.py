@@ -104,9 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # batches against the bare forward pass; 'merge_checkpoints' times the streaming
   # checkpoint merges of `recipes` (all: ''; merging/jobs/checkpoint_benchmark.py's cases)
   # against the I/O floor, each at most `runs` times (0: its case's count), on a `fixture`
-  # ('' or 'benchmark': 136M parameters; 'llama_1b': Llama-3.2-1B's shapes in bfloat16);
-  # 'mergekit' runs `recipes` (all: '') through the `mergekit` command given and editmerge on
-  # a `fixture` ('' or 'tiny', or one of the checkpoint benchmark's), and compares them.
+  # ('' or 'benchmark': 136M parameters; 'llama_1b': Llama-3.2-1B's shapes in bfloat16;
+  # 'tiny'); 'mergekit' runs `recipes` (all: '') through the `mergekit` command given and
+  # editmerge on a `fixture` of the same ('' is 'tiny' there), and compares them.
   config.benchmark = ml_collections.ConfigDict(dict(job='regimes', task='colour', seed=0,
                                                     steps=20, image_size=0, peak_flops=0.0,
                                                     torch=True, eval_batches=4,

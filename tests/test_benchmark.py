@@ -2,6 +2,8 @@
 program, MFU against the peak given."""
 
 import json
+import os
+import subprocess
 
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ from editing import regimes
 from editing.jobs import benchmark
 from editing.jobs import decoder_benchmark
 from editing.jobs import experiment
-from tests.conftest import run_python, xla_flags
+from tests.conftest import REPO, run_python, xla_flags
 
 
 def test_the_benchmark_reports_flops_and_mfu_against_a_given_peak(tmp_path):
@@ -130,3 +132,26 @@ def test_the_pytorch_reference_trains_the_same_model_as_the_jax_step():
                                 linearized=linearized)
     losses = [step() for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+def test_the_gpu_scripts_dry_run_times_a_merge_phase_by_phase_on_the_tiny_fixture(tmp_path):
+  """DRY_RUN=1: the merges of launch/benchmark_gpu.sh alone, on the tiny fixture, once each.
+  On one CPU device no block is put anywhere (to_device and from_device not timed apart)."""
+  proc = subprocess.run(['bash', 'launch/benchmark_gpu.sh'], cwd=REPO, capture_output=True,
+                        text=True, timeout=600,
+                        env=dict(os.environ, DRY_RUN='1', WORKDIR=str(tmp_path),
+                                 MERGES='task_arithmetic', PYTHONPATH=REPO))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'merges' / 'checkpoint_benchmark_tiny.json') as f:
+    results = json.load(f)['results']
+  assert set(results) == {'floor_3', 'task_arithmetic'}
+  merge = results['task_arithmetic']
+  assert {'prepare', 'read', 'compute', 'write'} <= set(merge['phase_seconds'])
+  assert 'to_device' not in merge['phase_seconds'] and not results['floor_3']['phase_seconds']
+  # A base, three fine-tunes and the merge, each of the same size in float32.
+  model = sum(os.path.getsize(tmp_path / 'merges' / 'checkpoint_fixture_tiny' / 'base' / f)
+              for f in os.listdir(tmp_path / 'merges' / 'checkpoint_fixture_tiny' / 'base')
+              if f.endswith('.safetensors'))
+  assert merge['bytes_moved'] == 5 * model
+  assert merge['gb_per_second'] == pytest.approx(5 * model / merge['seconds'] / 1e9)
+  assert 'where the merges\' time went' in proc.stdout

@@ -142,7 +142,8 @@ def merge(base: str, models: Sequence[str], output: str, plan: plan_lib.Plan, *,
     elif calibration is not None:
       _write_calibrated(partial, plan, shards, calibration)
     else:
-      _write_shards(partial, models, plan, shards, len(names), positions)
+      summary['phase_seconds'] = _write_shards(partial, models, plan, shards, len(names),
+                                               positions)
 
   target = output_lib.Target(
       output, [base, *models], record, readers=() if adapter else [base_ckpt, *ckpts],
@@ -172,8 +173,11 @@ def _check_same_tensors(base: str, base_ckpt: hf.Checkpoint, models: Sequence[st
                         f'{ours[1]}{list(ours[0])}')
 
 
-def _write_shards(partial: output_lib.Partial, models, plan, shards, count, positions) -> None:
-  """Each shard not yet in `partial`, a tensor at a time, with progress; then the index."""
+def _write_shards(partial: output_lib.Partial, models, plan, shards, count,
+                  positions) -> dict[str, float]:
+  """Each shard not yet in `partial`, a tensor at a time, with progress; then the index.
+  Returns the seconds spent in each phase (`pipeline.Phases`: prepare, read, to_device,
+  compute, from_device, write), summed over threads."""
   start, done_bytes, done_tensors = time.time(), 0, 0
   total_bytes = sum(s.bytes for s in shards)
   base_ckpt, *ckpts = partial.readers
@@ -182,7 +186,8 @@ def _write_shards(partial: output_lib.Partial, models, plan, shards, count, posi
     for shard in shards:
       if not partial.has(shard.file):
         pipeline.write_streamed(os.path.join(partial.path, shard.file), shard.entries,
-                                tensors.prepare, tensors.block, plan.prefetch, tensors.spans)
+                                tensors.prepare, tensors.block, plan.prefetch, tensors.spans,
+                                tensors.phases)
         partial.shard_done()
       done_bytes += shard.bytes
       done_tensors += len(shard.entries)
@@ -191,6 +196,7 @@ def _write_shards(partial: output_lib.Partial, models, plan, shards, count, posi
                    done_tensors, count, done_tensors / max(time.time() - start, 1e-9),
                    rate / 1e6, (total_bytes - done_bytes) / max(rate, 1e-9))
   safetensors_io.write_index(partial.path, shards)
+  return {phase: round(seconds, 3) for phase, seconds in tensors.phases.seconds.items()}
 
 
 def _write_calibrated(partial: output_lib.Partial, plan: plan_lib.Plan, shards,

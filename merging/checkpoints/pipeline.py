@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -42,9 +43,31 @@ def write_shards(partial, shards: Sequence[safetensors_io.Shard], prepare: Calla
   safetensors_io.write_index(partial.path, shards)
 
 
+class Phases:
+  """The seconds a streamed merge spends in each phase (`timed`), summed over the threads that
+  run it: reads, merges and writes overlap, so their sum may pass the wall time."""
+
+  def __init__(self):
+    self.seconds = collections.Counter()
+    self._lock = threading.Lock()
+
+  def add(self, phase: str, seconds: float) -> None:
+    with self._lock:
+      self.seconds[phase] += seconds
+
+  @contextlib.contextmanager
+  def timed(self, phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.add(phase, time.perf_counter() - start)
+
+
 def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]],
                    prepare: Callable[[str], Any], block: Callable[[Any, int, int], np.ndarray],
-                   depth: int, spans: Callable[[Any, int], list] | None = None) -> None:
+                   depth: int, spans: Callable[[Any, int], list] | None = None,
+                   phases: Phases | None = None) -> None:
   """The safetensors file `path` of `entries`, each tensor written a block at a time: the
   tensors' prepare(name) calls run in threads, _PREPARING at a time, up to _PREPARED_AHEAD
   tensors ahead of the one being written, and a tensor's block(prepared, start, stop) calls
@@ -52,7 +75,8 @@ def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype
   current one. File reads, numpy and XLA release the GIL, so reads, merges and writes overlap;
   in memory are the blocks in flight and what prepare keeps of _PREPARED_AHEAD + 1 tensors
   (for the whole-tensor merges, each one merged whole). spans(prepared, size) gives a tensor's
-  blocks where they are not `blocks(size)`'s."""
+  blocks where they are not `blocks(size)`'s; `phases` is given the writer's time ('write':
+  from each block's handing over to the writer to its asking for the next)."""
   sizes = {name: math.prod(shape) for name, shape, _ in entries}
   with pool(_PREPARING) as preparing, pool(depth) as merges:
     prepared = ahead(prepare, list(sizes), _PREPARED_AHEAD, preparing)
@@ -60,7 +84,11 @@ def write_streamed(path: str, entries: list[tuple[str, tuple[int, ...], np.dtype
     def chunks(name: str) -> Iterator[np.ndarray]:
       state = next(prepared)
       spanned = spans(state, sizes[name]) if spans else blocks(sizes[name])
-      yield from ahead(lambda span: block(state, *span), spanned, depth, merges)
+      for chunk in ahead(lambda span: block(state, *span), spanned, depth, merges):
+        handed = time.perf_counter()
+        yield chunk
+        if phases is not None:
+          phases.add('write', time.perf_counter() - handed)
 
     safetensors_io.write(path, entries, chunks, metadata=hf.PT_METADATA)
 

@@ -46,10 +46,19 @@ class TensorMerge:
     # Each tensor's t for the values that vary by layer: over the output's layers, or as
     # the caller plans them (over each slice's, `sliced.positions`).
     self.positions = positions or (layered.positions(list(base.files)) if plan.layered else {})
+    self.phases = pipeline.Phases()
+    # Where the blocks go to an accelerator (or over several devices), they are put there
+    # first, so that the transfer is timed apart from the merge; one CPU device reads the
+    # aligned buffers in place.
+    self.transfers = self.mesh.size > 1 or jax.devices()[0].platform != 'cpu'
 
   def prepare(self, name: str) -> dict:
     """What `block` needs of the tensor `name` (whose inputs' shapes and dtypes the job
     checked before it wrote anything)."""
+    with self.phases.timed('prepare'):
+      return self._prepare(name)
+
+  def _prepare(self, name: str) -> dict:
     shape, dtype = self.base.header(name)
     size = math.prod(shape)
     plan = self.plan.at(name, self.positions.get(name, 0.0))
@@ -145,10 +154,11 @@ class TensorMerge:
       return self.base.read(name, start, stop)
     if 'merged' in state:
       return state['merged'][start:stop]
-    buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
-                                  state['dtype'])
-    if not self.plan.allow_nonfinite:
-      _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+    with self.phases.timed('read'):
+      buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop,
+                                    pipeline.BLOCK, state['dtype'])
+      if not self.plan.allow_nonfinite:
+        _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     block_cuts = draws = None
     if 'draws' in state:
       spread = None
@@ -162,10 +172,17 @@ class TensorMerge:
                           for c in model_cuts) for model_cuts in state['cuts']]
     # On one CPU device the program reads the aligned buffers in place; np.asarray waits for
     # it, after which this thread may read into them again.
-    inputs = (jax.device_put(buffers, _split(self.mesh, (pipeline.BLOCK,))) if self.mesh.size > 1
-              else buffers)
-    edited = np.asarray(_edit_block(state['plan'], inputs[0], inputs[1:], block_cuts, draws,
-                                    state.get('totals')))
+    inputs = buffers
+    if self.transfers:
+      with self.phases.timed('to_device'):
+        inputs = jax.block_until_ready(jax.device_put(
+            buffers, _split(self.mesh, (pipeline.BLOCK,)) if self.mesh.size > 1
+            else jax.devices()[0]))
+    with self.phases.timed('compute'):
+      edited = jax.block_until_ready(_edit_block(state['plan'], inputs[0], inputs[1:],
+                                                 block_cuts, draws, state.get('totals')))
+    with self.phases.timed('from_device'):
+      edited = np.asarray(edited)
     if any(np.may_share_memory(edited, b) for b in buffers):
       edited = edited.copy()  # an output XLA forwarded from a buffer that will be read into
     # Cast here, from the dtype as stored: JAX without x64 sees float64 as float32. An

@@ -1,8 +1,9 @@
 """Checkpoint merging against the I/O floor, in one run, on a generated Llama-shaped fixture.
 
-The fixture (hidden 1024, 8 layers, vocabulary 32,000, MLP 2,048, grouped key/value heads of
-256: about 136M parameters, float32, about 545 MB a model) is a base and three fine-tunes,
-written once to <workdir>/checkpoint_fixture. Each measurement runs in its own process, so its
+The fixture (FIXTURES: 'benchmark', hidden 1024, 8 layers, vocabulary 32,000, MLP 2,048,
+grouped key/value heads of 256: about 136M parameters, float32, about 545 MB a model;
+'llama_1b', Llama-3.2-1B's shapes in bfloat16; 'tiny', seconds on a CPU) is a base and three
+fine-tunes, written once to <workdir>/checkpoint_fixture[_<name>]. Each measurement runs in its own process, so its
 peak RSS is its own. `CASES` holds one measurement per streamed method, with the fine-tuned
 models it takes (SLERP and the one-model methods fewer), and the floors they are held against:
 
@@ -18,8 +19,10 @@ models it takes (SLERP and the one-model methods fewer), and the floors they are
 
 They run in turn, each `runs` times over (the machine's noise moves all of them; the floor's
 first read may also find a cold page cache), and each reports its fastest run. The table
-reports wall time, its ratio to the floor of the same inputs, peak RSS and its ratio to the
-largest tensor's size (and a sketch's error). The fixture's deltas are Gaussian noise, whose
+reports wall time, its ratio to the floor of the same inputs, the GB it read and wrote a
+second, peak RSS and its ratio to the largest tensor's size (and a sketch's error), then where
+each merge's time went (read, to_device, compute, from_device, write; prepare: the rankings,
+sums and whole-tensor merges before a tensor's blocks). The fixture's deltas are Gaussian noise, whose
 flat spectra are a sketch's hardest case: a fine-tune's decaying spectrum is found closer.
 """
 
@@ -98,7 +101,7 @@ SHAPE = dict(hidden=1024, layers=8, vocab=32000, mlp=2048, kv=256)
 # The fixtures by name: their shapes, and where they differ from SHAPE's defaults their head
 # size, tied token table and dtype. llama_1b has Llama-3.2-1B's shapes (1.24B parameters, the
 # head tied to the token table), in bfloat16: about 2.5 GB a model, 10 GB written once.
-FIXTURES = {'benchmark': SHAPE,
+FIXTURES = {'benchmark': SHAPE, 'tiny': dict(hidden=64, layers=2, vocab=256, mlp=128, kv=16),
             'llama_1b': dict(hidden=2048, layers=16, vocab=128256, mlp=8192, kv=512, head=64,
                              tied=True, dtype='bfloat16')}
 
@@ -158,11 +161,13 @@ def make_fixture(directory: str, shape: dict = SHAPE) -> tuple[str, list[str]]:
 
 
 def measure(name: str, base: str, models: list[str], output: str) -> dict:
-  """CASES[name] in this process: seconds and peak RSS. The clock starts once JAX's backend is
-  up, a cost of the process (like its imports), not of the merge."""
+  """CASES[name] in this process: seconds, peak RSS, the bytes it read and wrote, and where a
+  merge's time went (`pipeline.Phases`). The clock starts once JAX's backend is up, a cost of
+  the process (like its imports), not of the merge."""
   case = CASES[name]
   models = models[:case.models]
   jax.devices()
+  phases = {}
   start = time.time()
   if case.method == 'floor':
     inputs = [hf.Checkpoint(p) for p in [base] + models]
@@ -182,9 +187,17 @@ def measure(name: str, base: str, models: list[str], output: str) -> dict:
     passthrough.run([passthrough.Slice(base, 0, half), passthrough.Slice(models[0], half, layers)],
                     output, overwrite=True)
   else:
-    checkpoints.merge(base, models, output, checkpoints.Plan(case.method, case.settings),
-                      overwrite=True)
-  return {'seconds': time.time() - start, 'peak_rss_bytes': _peak_rss()}
+    phases = checkpoints.merge(base, models, output, checkpoints.Plan(
+        case.method, case.settings), overwrite=True).get('phase_seconds', {})
+  seconds = time.time() - start
+  moved = sum(_safetensors_bytes(d) for d in [base] + models + [output])
+  return {'seconds': seconds, 'peak_rss_bytes': _peak_rss(), 'bytes_moved': moved,
+          'phase_seconds': phases}
+
+
+def _safetensors_bytes(directory: str) -> int:
+  return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+             if f.endswith('.safetensors'))
 
 
 def relative_error(approximate: str, exact: str, base: str) -> float:
@@ -256,8 +269,8 @@ def run(config, workdir: str, shape: dict | None = None, runs: int | None = None
       measured = json.loads(proc.stdout.strip().splitlines()[-1])
       if name not in results or measured['seconds'] < results[name]['seconds']:
         results[name] = measured
-  lines = ['case                     models   wall s   × floor   peak RSS MB   × largest tensor'
-           '   error']
+  lines = ['case                     models   wall s   × floor    GB/s   peak RSS MB   '
+           '× largest tensor   error']
   for name, r in results.items():
     models_merged = cases[name].models
     r['models'] = models_merged
@@ -268,8 +281,16 @@ def run(config, workdir: str, shape: dict | None = None, runs: int | None = None
       merged = lambda case: os.path.join(workdir, 'checkpoint_merged', case)
       r['error'] = relative_error(merged(name), merged(cases[name].exact), base)
       error = f'{r["error"]:8.2e}'
+    r['gb_per_second'] = r['bytes_moved'] / r['seconds'] / 1e9
     lines.append(f'{name:24} {models_merged:6} {r["seconds"]:8.1f} {r["floor_ratio"]:9.2f} '
-                 f'{r["peak_rss_bytes"] / 2**20:13.0f} {r["largest_tensor_ratio"]:18.1f} {error}')
+                 f'{r["gb_per_second"]:7.2f} {r["peak_rss_bytes"] / 2**20:13.0f} '
+                 f'{r["largest_tensor_ratio"]:18.1f} {error}')
+  lines.append('where the merges\' time went, seconds summed over their threads (reads, merges '
+               'and writes overlap):')
+  for name, r in results.items():
+    if r['phase_seconds']:
+      lines.append(f'  {name:22} ' + '  '.join(f'{phase} {seconds:.2f}' for phase, seconds
+                                               in sorted(r['phase_seconds'].items())))
   print('\n'.join(lines))
   summary = {'fixture': shape, 'largest_tensor_bytes': largest,
              'settings': {n: c.settings for n, c in cases.items()}, 'results': results}

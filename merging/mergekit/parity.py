@@ -5,14 +5,14 @@
 
 Each recipe of RECIPES (one or two per method, mergekit's defaults unless it says otherwise)
 runs through both tools, each in its own process, whole process timed, on a generated
-Llama-shaped fixture (a base and three fine-tunes; `merging.jobs.checkpoint_benchmark`'s) of
-`config.benchmark.fixture`: 'tiny' (TINY's size, where start-up is most of the time; the
-default), 'benchmark' (the checkpoint benchmark's 136M parameters a model) or 'llama_1b'
-(Llama-3.2-1B's shapes in bfloat16). The table reports each
-output's largest difference from mergekit's, and the ratio of their Σ |θ − θ0| (a random
-method, DARE or DELLA, draws other masks than mergekit's: its outputs agree only in
-distribution, so that ratio is its measure). mergekit is not a dependency: it is run as the
-command given; tests/fixtures/mergekit/ holds its outputs of these recipes on a tiny model.
+Llama-shaped fixture (a base and three fine-tunes) of `config.benchmark.fixture`, one of
+`merging.jobs.checkpoint_benchmark.FIXTURES`: 'tiny' (where start-up is most of the time; the
+default), 'benchmark' (136M parameters a model) or 'llama_1b' (Llama-3.2-1B's shapes in
+bfloat16). The table reports each output's largest difference from mergekit's, and the ratio
+of their Σ |θ − θ0| (a random method, DARE or DELLA, draws other masks than mergekit's: its
+outputs agree only in distribution, so that ratio is its measure). mergekit is not a
+dependency: it is run as the command given; tests/fixtures/mergekit/ holds its outputs of
+these recipes on a tiny model.
 """
 
 import os
@@ -27,7 +27,6 @@ from editing.errors import UserError
 from editing.models import hf
 from merging.jobs import checkpoint_benchmark
 
-TINY = dict(hidden=64, layers=2, vocab=256, mlp=128, kv=16)
 RANDOM = ('dare_ties', 'dare_linear', 'della', 'della_linear')
 _W = ['{weight: 0.5, density: 0.4}', '{weight: 1.0, density: 0.4}', '{weight: 1.5, density: 0.4}']
 # name -> (merge_method, base_model given, global parameters, per-model parameters or None)
@@ -129,13 +128,11 @@ def run(config, workdir: str) -> dict:
   if unknown:
     raise UserError(f'config.benchmark.recipes: {unknown} are not recipes; known: '
                     f'{sorted(RECIPES)}')
-  fixtures = {'tiny': ('mergekit_fixture', TINY), **{
-      name: (checkpoint_benchmark.fixture_directory(name), shape)
-      for name, shape in checkpoint_benchmark.FIXTURES.items()}}
   fixture = config.benchmark.fixture or 'tiny'
+  fixtures = checkpoint_benchmark.FIXTURES
   if fixture not in fixtures:
     raise UserError(f'config.benchmark.fixture = {fixture!r}: one of {sorted(fixtures)}')
-  directory, shape = fixtures[fixture]
+  directory, shape = checkpoint_benchmark.fixture_directory(fixture), fixtures[fixture]
   base, models = checkpoint_benchmark.make_fixture(os.path.join(workdir, directory), shape)
   results = {}
   for name in names:
