@@ -79,7 +79,8 @@ class TensorMerge:
         state['merged'] = self._merge_whole(name, shape, plan)  # rows no block can hold
       else:
         state['row'] = row
-        state['draws'] = self._draws(name, size, dtype, plan, row)
+        keys, factors, drawn = self._draws(name, size, dtype, plan, row)
+        state['draws'], state['drawn'] = (keys, factors), drawn
     return state
 
   @staticmethod
@@ -92,14 +93,17 @@ class TensorMerge:
     """What a merge in blocks draws from for the tensor `name`: each model's key of it
     (`ops.vector_key`, `ops.leaf_key`, as `ops.drop_and_rescale` keys a vector's leaf) and,
     where a draw's rescale reads norms, each model's ‖τ‖₁/‖m ⊙ τ‖₁ over the whole tensor,
-    summed by a pass over its blocks (of whole rows of `row`, where draws read rows) first."""
+    summed by a pass over its blocks (of whole rows of `row`, where draws read rows) first;
+    then also the masks m that pass drew, by each block's first entry, a bit an entry
+    (np.packbits), which the merge of the block reads instead of drawing them again."""
     keys = jnp.stack([ops.leaf_key(ops.vector_key(self.key, (label,)), name)
                       for label in self.labels])
     draws = [plan.sparsity(i).draw for i in range(len(self.tuned))]
     if not any(draw is not None and draw.norms and draw.p != 0 for draw in draws):
-      return keys, None
+      return keys, None, None
     # Summed on the host in float64: the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
+    drawn = {}
     for start, stop in _row_blocks(size, row):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
@@ -109,7 +113,8 @@ class TensorMerge:
       for i in range(len(self.tuned)):
         norms[i] += (magnitudes[i].sum(dtype=np.float64),
                      np.where(masks[i], magnitudes[i], 0).sum(dtype=np.float64))
-    return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32))
+      drawn[start] = np.packbits(masks, axis=-1)
+    return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32)), drawn
 
   def _totals(self, name: str, size: int, dtype: np.dtype) -> np.ndarray:
     """The method's sums over the tensor `name` (`merging.Method.sums`), by a pass over its
@@ -165,7 +170,9 @@ class TensorMerge:
       if state.get('row'):
         spread = _spread(state['plan'], [np.abs(pipeline.host_delta(theta, buffers[0]))
                                          for theta in buffers[1:]], state['row'])
-      draws = (*state['draws'], np.uint32(start), spread)
+      # Each block is merged once: its masks drawn beforehand are not held past it.
+      drawn = state['drawn'].pop(start) if state['drawn'] else None
+      draws = (*state['draws'], np.uint32(start), spread, drawn)
     if 'cuts' in state:
       block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
                                    np.int32(min(max(c.last - start, -1), pipeline.BLOCK)))
@@ -218,9 +225,10 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
   """One block's edit as one XLA program, compiled once per dtype (the block
   is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, with the masks of
   the method's cuts (each cut relative to the block) and its vectors after their draws from
-  the tensor's `draws` (each model's key, its L1 factors or None, the block's first entry, and
-  each model's keep probabilities where they spread over its rows, or None), and the sums
-  over the whole tensor that the method reads (`merging.Method.sums`)."""
+  the tensor's `draws` (each model's key, its L1 factors or None, the block's first entry,
+  each model's keep probabilities where they spread over its rows, or None, and the block's
+  masks where a pass drew them before, packed a bit an entry, or None), and the sums over the
+  whole tensor that the method reads (`merging.Method.sums`)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
@@ -228,13 +236,14 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
     keep = [{_LEAF: ranking.kept_mask(jnp.abs(vector.delta[_LEAF]), model_cuts)}
             for vector, model_cuts in zip(vectors, block_cuts)]
   if draws is not None:
-    keys, factors, start, spread = draws
+    keys, factors, start, spread, drawn = draws
     dropped = []
     for i, vector in enumerate(vectors):
       draw, delta = plan.sparsity(i).draw, vector.delta[_LEAF]
       if draw is not None and draw.p != 0:  # as `ops.drop_and_rescale`, which leaves τ as it is
         q = _keep_probability(draw, spread, i)
-        kept = ops.kept_entries(keys[i], q, start, delta.size)
+        kept = (ops.kept_entries(keys[i], q, start, delta.size) if drawn is None
+                else jnp.unpackbits(drawn[i], count=delta.size).astype(bool))
         delta = ops.dropped(delta, kept, q, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
   return edit(plan, {_LEAF: base}, vectors, None, keep, dropped,
