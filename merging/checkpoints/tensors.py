@@ -101,19 +101,18 @@ class TensorMerge:
     draws = [plan.sparsity(i).draw for i in range(len(self.tuned))]
     if not any(draw is not None and draw.norms and draw.p != 0 for draw in draws):
       return keys, None, None
-    # Summed on the host in float64: the same bits on any device count.
+    # Each block's sums, made by one program on one device, added on the host in float64:
+    # the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
     drawn = {}
     for start, stop in _row_blocks(size, row):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
       magnitudes = [np.abs(pipeline.host_delta(theta, buffers[0])) for theta in buffers[1:]]
-      masks = np.asarray(_keep_masks(plan, keys, np.uint32(start), pipeline.BLOCK,
-                                     _spread(plan, magnitudes, row)))
-      for i in range(len(self.tuned)):
-        norms[i] += (magnitudes[i].sum(dtype=np.float64),
-                     np.where(masks[i], magnitudes[i], 0).sum(dtype=np.float64))
-      drawn[start] = np.packbits(masks, axis=-1)
+      packed, sums = _drawn_norms(plan, keys, np.uint32(start), magnitudes,
+                                  _spread(plan, magnitudes, row))
+      norms += np.asarray(sums, np.float64)
+      drawn[start] = np.asarray(packed)
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32)), drawn
 
   def _totals(self, name: str, size: int, dtype: np.dtype) -> np.ndarray:
@@ -289,20 +288,23 @@ def _row_blocks(size: int, row: int | None) -> list[tuple[int, int]]:
   return pipeline.blocks(size, pipeline.BLOCK - pipeline.BLOCK % row if row else None)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _keep_masks(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, size: int,
-                spread: list | None) -> jax.Array:
-  """Each model's keep mask of its draw of the `size` entries of a tensor from entry `start` on
-  (all kept where it draws nothing), with its keep probabilities where they spread over rows
-  (`_spread`)."""
-  masks = []
-  for i, key in enumerate(keys):
+@functools.partial(jax.jit, static_argnums=0)
+def _drawn_norms(plan: plan_lib.Plan, keys: jax.Array, start: jax.Array, magnitudes: list,
+                 spread: list | None) -> tuple[jax.Array, jax.Array]:
+  """Each model's keep mask of its draw of a block of a tensor from entry `start` on (all kept
+  where it draws nothing; its keep probabilities where they spread over rows, `_spread`),
+  packed a bit an entry, and each model's (‖τ‖₁, ‖m ⊙ τ‖₁) over the block, given |τ|
+  (`magnitudes`)."""
+  masks, sums = [], []
+  for i, (key, magnitude) in enumerate(zip(keys, magnitudes)):
     draw = plan.sparsity(i).draw
     if draw is None or draw.p == 0:
-      masks.append(jnp.ones(size, bool))
+      mask = jnp.ones(magnitude.size, bool)
     else:
-      masks.append(ops.kept_entries(key, _keep_probability(draw, spread, i), start, size))
-  return jnp.stack(masks)
+      mask = ops.kept_entries(key, _keep_probability(draw, spread, i), start, magnitude.size)
+    masks.append(jnp.packbits(mask))
+    sums.append(jnp.stack([jnp.sum(magnitude), jnp.sum(jnp.where(mask, magnitude, 0.0))]))
+  return jnp.stack(masks), jnp.stack(sums)
 
 
 def _split(mesh: jax.sharding.Mesh, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
