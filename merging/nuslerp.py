@@ -26,13 +26,22 @@ from merging import common
 from merging import ops
 
 
-def interpolate(t: float, x1: jax.Array, x2: jax.Array, eps: float = 1e-8) -> jax.Array:
-  """slerp(x_1, x_2; t) of each vector along the last axis."""
-  unit = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-7)
-  omega = jnp.arccos(jnp.clip(jnp.sum(unit(x1) * unit(x2), axis=-1, keepdims=True), -1, 1))
+def coefficients(squares_1, squares_2, dot, t: float, eps: float = 1e-8) -> tuple:
+  """(c_1, c_2) with slerp(x_1, x_2; t) = c_1 x_1 + c_2 x_2, from ‖x_1‖², ‖x_2‖² and x_1·x_2
+  (arrays of them, one per pair of vectors, or the Gram's entries of two flattened tensors)."""
+  norm = lambda squares: jnp.maximum(jnp.sqrt(jnp.maximum(squares, 0.0)), 1e-7)
+  omega = jnp.arccos(jnp.clip(dot / (norm(squares_1) * norm(squares_2)), -1, 1))
   sin = jnp.sin(omega)
-  spherical = (jnp.sin((1 - t) * omega) * x1 + jnp.sin(t * omega) * x2) / sin
-  return jnp.where(jnp.abs(sin) < eps, (1 - t) * x1 + t * x2, spherical)
+  colinear = jnp.abs(sin) < eps
+  return (jnp.where(colinear, 1 - t, jnp.sin((1 - t) * omega) / sin),
+          jnp.where(colinear, t, jnp.sin(t * omega) / sin))
+
+
+def interpolate(t: float, x1: jax.Array, x2: jax.Array) -> jax.Array:
+  """slerp(x_1, x_2; t) of each vector along the last axis."""
+  total = lambda x: jnp.sum(x, axis=-1, keepdims=True)
+  c1, c2 = coefficients(total(x1 * x1), total(x2 * x2), total(x1 * x2), t)
+  return c1 * x1 + c2 * x2
 
 
 def interpolate_leaf(t: float, x1: jax.Array, x2: jax.Array, view: ops.Matrix | None,
@@ -44,16 +53,6 @@ def interpolate_leaf(t: float, x1: jax.Array, x2: jax.Array, view: ops.Matrix | 
   axis = 0 if row_wise else -1
   moved = [jnp.moveaxis(of(x), axis, -1) for x in (x1, x2)]
   return back(jnp.moveaxis(interpolate(t, *moved), -1, axis))
-
-
-def coefficients(gram: jax.Array, t: float, eps: float = 1e-8) -> jax.Array:
-  """c with slerp(x_1, x_2; t) = c_1 x_1 + c_2 x_2 of two flattened tensors, from their Gram."""
-  g = jnp.asarray(gram, jnp.float32)
-  norms = jnp.maximum(jnp.sqrt(jnp.maximum(jnp.diagonal(g), 0.0)), 1e-7)
-  omega = jnp.arccos(jnp.clip(g[0, 1] / (norms[0] * norms[1]), -1, 1))
-  sin = jnp.sin(omega)
-  spherical = jnp.stack([jnp.sin((1 - t) * omega), jnp.sin(t * omega)]) / sin
-  return jnp.where(jnp.abs(sin) < eps, jnp.array([1 - t, t], jnp.float32), spherical)
 
 
 def streamed_sums(flatten: bool, task_space: bool, **_):
@@ -83,8 +82,9 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0, flatten: bool, row_wise
   common.check_weights(weights, 2, 'nuslerp')
   t = 0.5 if abs(sum(weights)) < 1e-6 else weights[1] / sum(weights)
   if flatten:
-    merge_leaf = lambda ends, path: common.combination(ends, coefficients(
-        common.gram(ends) if totals is None else totals[path], t))
+    def merge_leaf(ends, path):
+      g = common.gram(ends) if totals is None else totals[path]
+      return common.combination(ends, jnp.stack(coefficients(g[0, 0], g[1, 1], g[0, 1], t)))
   else:
     views = ops.matrices(task_vectors[0].delta)
     merge_leaf = lambda ends, path: interpolate_leaf(t, *ends, views[path], row_wise)
