@@ -165,12 +165,12 @@ class TensorMerge:
         _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     block_cuts = draws = None
     if 'draws' in state:
-      spread = None
-      if state.get('row'):
-        spread = _spread(state['plan'], [np.abs(pipeline.host_delta(theta, buffers[0]))
-                                         for theta in buffers[1:]], state['row'])
       # Each block is merged once: its masks drawn beforehand are not held past it.
       drawn = state['drawn'].pop(start) if state['drawn'] else None
+      spread = None
+      if state.get('row') and (drawn is None or not _l1_only(state['plan'], len(self.tuned))):
+        spread = _spread(state['plan'], [np.abs(pipeline.host_delta(theta, buffers[0]))
+                                         for theta in buffers[1:]], state['row'])
       draws = (*state['draws'], np.uint32(start), spread, drawn)
     if 'cuts' in state:
       block_cuts = [tuple(cuts.Cut(np.float32(c.threshold),
@@ -274,6 +274,13 @@ def _spread(plan: plan_lib.Plan, magnitudes: list[np.ndarray], row: int | None) 
                                      draw.spread).ravel()
     spread.append(q)
   return spread
+
+
+def _l1_only(plan: plan_lib.Plan, models: int) -> bool:
+  """Whether every model's draw rescales to its L1 norms: with its masks drawn beforehand, its
+  keep probabilities are then read by nothing, so no row need be ranked again for them."""
+  return all(draw is None or draw.p == 0 or draw.norms
+             for draw in (plan.sparsity(i).draw for i in range(models)))
 
 
 def _keep_probability(draw, spread: list | None, model: int):
