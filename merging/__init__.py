@@ -102,6 +102,11 @@ class Method:
   # where the settings need more), which a streamed merge adds over a tensor's blocks in a pass
   # before it merges them a block at a time; its merge takes the whole tensor's as `totals`.
   sums: Callable[..., Callable | None] | None = None
+  # A method that keeps the entries of a tensor by a score across its vectors (SCE's
+  # variance): scores(**settings) gives its `sparsity.Scores`, or None where it keeps every
+  # entry; a streamed merge ranks them before its sums, which then see what is kept, and its
+  # merge takes the mask as `selected` and the tensor's entry count as `entries`.
+  scores: Callable[..., sparsity_lib.Scores | None] | None = None
   # check_sums(totals, name, weights) refuses a tensor's sums that its merge cannot be made
   # from, naming the tensor: a streamed merge calls it before the blocks merge under jit.
   check_sums: Callable[[np.ndarray, str, Sequence[float] | None], None] | None = None
@@ -225,7 +230,7 @@ REGISTRY: dict[str, Method] = {
                                             normalize=False, density=1.0, epsilon=0.15,
                                             **_L1)}),
     'sce': Method(sce.merge, whole_tensor=True, elementwise=False, lambda_max=3.0,
-                  mergekit={'sce': Translation({'select_topk': 1.0},
+                  sums=sce.streamed_sums, scores=sce.selection, mergekit={'sce': Translation({'select_topk': 1.0},
                                                ('select_topk', 'int8_mask'))}),
     'slerp': Method(slerp.merge, vectors=1, sums=slerp.streamed_sums, **_SPHERICAL,
                     mergekit={'slerp': Translation({}, ('t',), required=('t',))}),

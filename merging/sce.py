@@ -13,8 +13,14 @@ implements it, per tensor:
 
 Ties in variance go to the earlier entry (mergekit's torch.topk leaves them unspecified).
 mergekit gives SCE no per-model weights. λ is chosen on validation.
+
+A streamed merge selects from the same variances, computed on the host a block at a time
+(`variance`: an entry's bits do not depend on the block that holds it), ranks them with the
+one ranking engine, sums each vector's energy over the selection in a pass, then merges block
+by block (`selection`, `streamed_sums`).
 """
 
+import functools
 from typing import Sequence
 
 import jax
@@ -26,21 +32,63 @@ from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import sparsity
 
 
-def merge_leaf(deltas: Sequence[jax.Array], select_topk: float) -> jax.Array:
-  """τ_m of one leaf's T deltas."""
+def variance(deltas: Sequence[np.ndarray]) -> np.ndarray:
+  """Each entry's variance across the T float32 deltas (the population's, as mergekit's
+  torch.var(unbiased=False)), in float32 on the host, each entry's from its own T values in a
+  fixed order: the same bits whole or a block at a time."""
+  count = np.float32(len(deltas))
+  mean = functools.reduce(np.add, deltas) / count
+  return functools.reduce(np.add, [np.square(d - mean) for d in deltas]) / count
+
+
+def kept_count(nonzero: int, select_topk: float) -> int:
+  """⌊k·n'⌋, in float32 as mergekit's tensors compute it."""
+  return int(np.floor(np.float32(nonzero) * np.float32(select_topk)))
+
+
+def selection(select_topk: float) -> sparsity.Scores | None:
+  """What SCE keeps of a tensor (`merging.Method.scores`): the ⌊k·n'⌋ largest variances; None
+  where k keeps every entry."""
+  if select_topk >= 1:
+    return None
+  return sparsity.Scores(variance, functools.partial(kept_count, select_topk=select_topk))
+
+
+def energies(deltas: Sequence[jax.Array]) -> jax.Array:
+  """Σ_j τ_t[j]² of each vector (of what the selection kept)."""
+  return jnp.stack([jnp.sum(jnp.square(d)) for d in deltas])
+
+
+def streamed_sums(**_):
+  """What a streamed merge sums over a tensor's blocks before it merges them
+  (`merging.Method.sums`): each vector's energy, over the entries selected."""
+  return lambda theta0, deltas: energies(deltas)
+
+
+def merge_leaf(deltas: Sequence[jax.Array], select_topk: float, selected=None,
+               totals: jax.Array | None = None, entries=None) -> jax.Array:
+  """τ_m of one leaf's T deltas; `selected`, `totals` and `entries`: the selection's mask, the
+  energies over it and the leaf's entry count, where a streamed merge found them for its
+  whole tensor beforehand."""
   stacked = jnp.stack([jnp.asarray(d, jnp.float32) for d in deltas])
-  if select_topk < 1:
-    variance = jnp.var(stacked, axis=0).ravel()
-    count = jnp.floor(jnp.count_nonzero(variance) * select_topk).astype(jnp.int32)
-    if isinstance(count, jax.core.Tracer):
-      ranks = jnp.argsort(jnp.argsort(-variance, stable=True))
-      selected = ranks < count
-    else:  # ranked on the host by `editing.cuts`: the same entries, without two sorts
-      selected = tree_lib.top_k(np.asarray(variance), lambda n: int(count), 'tensor')
-    stacked = jnp.where(selected.reshape(stacked.shape[1:]), stacked, 0.0)
-  energy = jnp.mean(stacked.reshape(len(deltas), -1) ** 2, axis=1)
+  if selected is None and select_topk < 1:
+    if isinstance(stacked, jax.core.Tracer):
+      variances = jnp.var(stacked, axis=0).ravel()
+      count = jnp.floor(jnp.count_nonzero(variances) * select_topk).astype(jnp.int32)
+      selected = jnp.argsort(jnp.argsort(-variances, stable=True)) < count
+    else:  # ranked on the host by `editing.cuts`, as a streamed merge ranks them
+      variances = variance([np.asarray(d, np.float32).ravel() for d in deltas])
+      count = kept_count(np.count_nonzero(variances), select_topk)
+      selected = tree_lib.top_k(variances, lambda n: count, 'tensor')
+  if selected is not None:
+    stacked = jnp.where(jnp.reshape(selected, stacked.shape[1:]), stacked, 0.0)
+  if totals is None:
+    energy = jnp.mean(stacked.reshape(len(deltas), -1) ** 2, axis=1)
+  else:
+    energy = totals / entries
   total = energy.sum()
   weights = jnp.where(total < 1e-6, 1.0 / len(deltas), energy / jnp.where(total < 1e-6, 1.0,
                                                                             total))
@@ -53,8 +101,14 @@ def merge_leaf(deltas: Sequence[jax.Array], select_topk: float) -> jax.Array:
 @settings.declare(
     select_topk=settings.number(1.0, '(0, 1]', 'the share of entries of largest variance '
                                 'across the vectors kept, k'))
-def merge(task_vectors: Sequence[TaskVector], *, select_topk: float) -> TaskVector:
-  """The SCE merge τ_m of the task vectors (before λ)."""
+def merge(task_vectors: Sequence[TaskVector], *, select_topk: float, selected: dict | None = None,
+          totals: dict | None = None, entries: dict | None = None) -> TaskVector:
+  """The SCE merge τ_m of the task vectors (before λ); `selected`, `totals` and `entries`,
+  each leaf's selection, energies and entry count, where found beforehand (a streamed
+  block's, of its whole tensor)."""
   check_compatible(task_vectors, 'sce')
-  return common.merged(task_vectors, jax.tree.map(
-      lambda *ds: merge_leaf(ds, select_topk), *[v.delta for v in task_vectors]))
+  found = lambda found_of, path: None if found_of is None else found_of[path]
+  return common.merged(task_vectors, tree_lib.map_with_path(
+      lambda path, *ds: merge_leaf(ds, select_topk, found(selected, path), found(totals, path),
+                                   found(entries, path)),
+      *[v.delta for v in task_vectors]))

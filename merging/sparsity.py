@@ -72,6 +72,17 @@ class Sparsity(NamedTuple):
   cut: Cut | None = None
 
 
+class Scores(NamedTuple):
+  """A selection the vectors share: of a tensor's n entries, the kept(n') largest of a score
+  across the vectors (n' of them non-zero; ties to the earlier entry). score(deltas) computes
+  it on the host from each vector's entries (float32 numpy arrays, a tensor's or a block's,
+  flat), each entry's from its own values: a streamed merge ranks a tensor's scores a block
+  at a time (`editing.cuts`) and finds the same selection as the merge of the whole tensor."""
+
+  score: Callable[[list], Any]
+  kept: Callable[[int], int]
+
+
 def largest(density: float, scope: str = 'tensor') -> Cut:
   """The max(1, ⌊density·n⌋) largest, as mergekit counts them."""
   return Cut(lambda n: max(1, int(density * n)), scope=scope)

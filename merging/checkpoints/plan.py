@@ -255,6 +255,12 @@ class Plan:
     return self.entry.sums(**self.settings) if self.entry and self.entry.sums else None
 
   @property
+  def scores(self):
+    """What the method ranks each tensor's entries by before its sums (`merging.Method`), or
+    None."""
+    return self.entry.scores(**self.settings) if self.entry and self.entry.scores else None
+
+  @property
   def elementwise(self) -> bool:
     """Whether the merge of an entry reads only that entry of each input (not so for draws
     rescaled to each tensor's L1 norm, a sum over the tensor, or ranked in their rows)."""

@@ -23,7 +23,7 @@ from merging.checkpoints import plan as plan_lib
 # thread of its own); a larger one by passes a block at a time, which hold a block of its
 # magnitudes, not all of them: one pass where a sample of _CLUSTERS clusters of _CLUSTER
 # contiguous entries (a positioned read each) brackets the kept-th largest, else two.
-_HELD = 1 << 24
+HELD = 1 << 24
 _CLUSTERS, _CLUSTER = 64, 1024
 
 
@@ -135,7 +135,7 @@ class TensorRanking:
       todo = [j for j, cut in enumerate(found) if cut is None]
       if not todo:
         return tuple(found)
-      if size < _HELD:
+      if size < HELD:
         held = self.magnitudes(name, model, 0, size)
         for j, cut in zip(todo, cuts.largest_cuts(held, [kept[j] for j in todo])):
           found[j] = cut

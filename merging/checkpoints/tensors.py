@@ -20,6 +20,7 @@ from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
 from merging import ops
+from merging import sparsity
 from merging.checkpoints import layered
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
@@ -68,7 +69,11 @@ class TensorMerge:
     elif self.plan.whole_tensor:  # decided for the whole model, whatever varies by layer
       state['merged'] = self._merge_whole(name, shape, plan)
     elif self.plan.sums is not None:
-      state['totals'] = self._totals(name, size, dtype)
+      if self.plan.entry.scores is not None:
+        state['entries'] = np.float32(size)
+        if plan.scores is not None:
+          state['selection'] = self._selection(name, size, dtype, plan.scores)
+      state['totals'] = self._totals(name, size, dtype, plan.scores, state.get('selection'))
       if self.plan.entry.check_sums is not None:
         self.plan.entry.check_sums(state['totals'], name, plan.weights)
     elif plan.ranked:
@@ -115,18 +120,49 @@ class TensorMerge:
       drawn[start] = np.asarray(packed)
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32)), drawn
 
-  def _totals(self, name: str, size: int, dtype: np.dtype) -> np.ndarray:
-    """The method's sums over the tensor `name` (`merging.Method.sums`), by a pass over its
-    blocks, each block's added on the host in float64 (the same bits on any device count)."""
+  def _read_checked(self, name: str, start: int, stop: int, dtype: np.dtype) -> list:
+    """`pipeline.read_block` of every input, refused where it holds a NaN or an infinity: in a
+    pass before the first block merges, one would make every block's sums NaN."""
+    buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
+                                  dtype)
+    if not self.plan.allow_nonfinite:
+      _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+    return buffers
+
+  def _totals(self, name: str, size: int, dtype: np.dtype, scores=None,
+              selection: cuts.Cut | None = None) -> np.ndarray:
+    """The method's sums over the tensor `name` (`merging.Method.sums`; of the entries its
+    `selection` keeps, where it selects), by a pass over its blocks, each block's added on the
+    host in float64 (the same bits on any device count)."""
     total = 0.0
     for start, stop in pipeline.blocks(size):
-      buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
-                                    dtype)
-      # Here, before the first block merges: a NaN anywhere makes every block's sums NaN.
-      if not self.plan.allow_nonfinite:
-        _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
-      total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:]), np.float64)
+      buffers = self._read_checked(name, start, stop, dtype)
+      selected = (None if selection is None
+                  else _selected_block(scores, selection, buffers, start, stop))
+      total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:], selected),
+                                 np.float64)
     return np.asarray(total, np.float32)
+
+  def _selection(self, name: str, size: int, dtype: np.dtype,
+                 scores: sparsity.Scores) -> cuts.Cut:
+    """The cut of the tensor's scores that the method keeps (`sparsity.Scores`), ranked on the
+    host by `editing.cuts` from its blocks' scores: held whole where the tensor is small, else
+    by passes over its blocks (a count of its non-zero scores, then the select's)."""
+    spans = pipeline.blocks(size)
+
+    def chunk(i: int) -> np.ndarray:
+      start, stop = spans[i]
+      return _block_scores(scores, self._read_checked(name, start, stop, dtype), stop - start)
+
+    if size < ranking.HELD:
+      held = np.concatenate([chunk(i) for i in range(len(spans))])
+      return cuts.largest_cut(held, scores.kept(np.count_nonzero(held)))
+    kept = scores.kept(sum(np.count_nonzero(chunk(i)) for i in range(len(spans))))
+    fixed = cuts.fixed_cut(size, kept)
+    if fixed is not None:
+      return fixed
+    selection, = cuts.select(lambda: map(chunk, range(len(spans))), np.float32, size, [kept])
+    return cuts.whole_cut(selection, [start for start, _ in spans], chunk)
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
     """A tensor merged whole, op by op under its own name (an SVD merge; a ranking of what
@@ -159,11 +195,10 @@ class TensorMerge:
     if 'merged' in state:
       return state['merged'][start:stop]
     with self.phases.timed('read'):
-      buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop,
-                                    pipeline.BLOCK, state['dtype'])
-      if not self.plan.allow_nonfinite:
-        _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
-    block_cuts = draws = None
+      buffers = self._read_checked(name, start, stop, state['dtype'])
+    block_cuts = draws = selected = None
+    if 'selection' in state:
+      selected = _selected_block(state['plan'].scores, state['selection'], buffers, start, stop)
     if 'draws' in state:
       # Each block is merged once: its masks drawn beforehand are not held past it.
       drawn = state['drawn'].pop(start) if state['drawn'] else None
@@ -186,7 +221,8 @@ class TensorMerge:
             else jax.devices()[0]))
     with self.phases.timed('compute'):
       edited = jax.block_until_ready(_edit_block(state['plan'], inputs[0], inputs[1:],
-                                                 block_cuts, draws, state.get('totals')))
+                                                 block_cuts, draws, state.get('totals'),
+                                                 selected, state.get('entries')))
     with self.phases.timed('from_device'):
       edited = np.asarray(edited)
     if any(np.may_share_memory(edited, b) for b in buffers):
@@ -219,15 +255,17 @@ def _check_finite(plan: plan_lib.Plan, name: str, paths: Sequence[str],
 
 @functools.partial(jax.jit, static_argnums=0)
 def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
-                block_cuts: list | None, draws: tuple | None,
-                totals: jax.Array | None) -> jax.Array:
+                block_cuts: list | None, draws: tuple | None, totals: jax.Array | None,
+                selected: jax.Array | None, entries: jax.Array | None) -> jax.Array:
   """One block's edit as one XLA program, compiled once per dtype (the block
   is the one leaf `_LEAF`, whatever its tensor): what `edit` makes of it, with the masks of
   the method's cuts (each cut relative to the block) and its vectors after their draws from
   the tensor's `draws` (each model's key, its L1 factors or None, the block's first entry,
   each model's keep probabilities where they spread over its rows, or None, and the block's
-  masks where a pass drew them before, packed a bit an entry, or None), and the sums over the
-  whole tensor that the method reads (`merging.Method.sums`)."""
+  masks where a pass drew them before, packed a bit an entry, or None), the sums over the
+  whole tensor that the method reads (`merging.Method.sums`), and the block's mask of what a
+  method that scores the entries keeps with the tensor's entry count
+  (`merging.Method.scores`)."""
   vectors = task_vectors({_LEAF: base}, [{_LEAF: t} for t in thetas],
                           [f'model_{i}' for i in range(len(thetas))])
   keep = dropped = None
@@ -245,15 +283,37 @@ def _edit_block(plan: plan_lib.Plan, base: jax.Array, thetas: list,
                 else jnp.unpackbits(drawn[i], count=delta.size).astype(bool))
         delta = ops.dropped(delta, kept, q, draw.rescale, None if factors is None else factors[i])
       dropped.append({_LEAF: delta})
-  return edit(plan, {_LEAF: base}, vectors, None, keep, dropped,
-              None if totals is None else {_LEAF: totals})[_LEAF]
+  leaf = lambda value: None if value is None else {_LEAF: value}
+  return edit(plan, {_LEAF: base}, vectors, None, keep, dropped, leaf(totals), leaf(selected),
+              leaf(entries))[_LEAF]
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _block_sums(plan: plan_lib.Plan, base: jax.Array, thetas: list) -> jax.Array:
-  """The method's sums over one block (`merging.Method.sums`; zero padding adds nothing)."""
+def _block_sums(plan: plan_lib.Plan, base: jax.Array, thetas: list,
+                selected: jax.Array | None) -> jax.Array:
+  """The method's sums over one block (`merging.Method.sums`; zero padding adds nothing), of
+  the entries `selected` where given."""
   theta0 = jnp.asarray(base, jnp.float32)
-  return plan.sums(theta0, [jnp.asarray(t, jnp.float32) - theta0 for t in thetas])
+  deltas = [jnp.asarray(t, jnp.float32) - theta0 for t in thetas]
+  if selected is not None:
+    deltas = [jnp.where(selected, d, 0.0) for d in deltas]
+  return plan.sums(theta0, deltas)
+
+
+def _block_scores(scores: sparsity.Scores, buffers: list, size: int) -> np.ndarray:
+  """The scores of a block's `size` entries (`sparsity.Scores`) from its read buffers."""
+  return scores.score([pipeline.host_delta(theta[:size], buffers[0][:size])
+                       for theta in buffers[1:]])
+
+
+def _selected_block(scores: sparsity.Scores, selection: cuts.Cut, buffers: list, start: int,
+                    stop: int) -> np.ndarray:
+  """What the tensor's `selection` (its cut of the scores) keeps of the block [start, stop),
+  computed on the host from the block's scores, padded with False to the block's width."""
+  mask = np.zeros(buffers[0].size, bool)
+  mask[:stop - start] = cuts.cut_mask(_block_scores(scores, buffers, stop - start),
+                                      cuts.Cut(selection.threshold, selection.last - start))
+  return mask
 
 
 def _spread(plan: plan_lib.Plan, magnitudes: list[np.ndarray], row: int | None) -> list | None:
@@ -333,12 +393,13 @@ def task_vectors(theta0: dict, tuned: Sequence[dict], labels: Sequence[str]) -> 
 
 
 def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=None,
-         dropped=None, totals=None) -> dict:
+         dropped=None, totals=None, selected=None, entries=None) -> dict:
   """What `plan` makes of θ0 (floating tensors) and the task vectors over it:
   θ0 + λ·merge(τ_1..τ_N), or merge(τ_1..τ_N) itself where the method writes its vector
   (`merging.Method.writes`); `keep`, the masks of the method's cuts ranked beforehand;
   `dropped`, the vectors after its draws (`merging.sparsity`); `totals`, each tensor's sums
-  (`merging.Method.sums`)."""
+  (`merging.Method.sums`); `selected` and `entries`, each tensor's mask of what the method's
+  scores keep and its entry count (`merging.Method.scores`)."""
   method = plan.entry
   reads = {name: value for name, value in (('key', key), ('theta0', theta0))
            if name in method.reads}
@@ -350,8 +411,9 @@ def edit(plan: plan_lib.Plan, theta0: dict, vectors: list, key: jax.Array, keep=
     reads['keep'] = keep
   if dropped is not None:
     reads['dropped'] = dropped
-  if totals is not None:
-    reads['totals'] = totals
+  for name, value in (('totals', totals), ('selected', selected), ('entries', entries)):
+    if value is not None:
+      reads[name] = value
   merged = method.merge(vectors, **reads, **plan.settings)
   if method.writes == 'delta':
     return dict(merged.delta)
