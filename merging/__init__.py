@@ -103,9 +103,10 @@ class Method:
   # before it merges them a block at a time; its merge takes the whole tensor's as `totals`.
   sums: Callable[..., Callable | None] | None = None
   # A method that keeps the entries of a tensor by a score across its vectors (SCE's
-  # variance): scores(**settings) gives its `sparsity.Scores`, or None where it keeps every
-  # entry; a streamed merge ranks them before its sums, which then see what is kept, and its
-  # merge takes the mask as `selected` and the tensor's entry count as `entries`.
+  # variances, Arcee Fusion's importances): scores(**settings) gives its `sparsity.Scores`, or
+  # None where it keeps every entry; a streamed merge ranks them before its sums, which then
+  # see what is kept, and its merge takes the mask as `selected` (and, with sums, the tensor's
+  # entry count as `entries`).
   scores: Callable[..., sparsity_lib.Scores | None] | None = None
   # check_sums(totals, name, weights) refuses a tensor's sums that its merge cannot be made
   # from, naming the tensor: a streamed merge calls it before the blocks merge under jit.
@@ -252,6 +253,7 @@ REGISTRY: dict[str, Method] = {
     'extract': Method(extract.merge, vectors=1, scaled=False, writes='delta'),
     'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
                            whole_tensor=True, elementwise=False,
+                           scores=lambda **_: arcee_fusion.selection(),
                            mergekit={'arcee_fusion': Translation({})}),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel (its merge is a
     # disjoint mean, like TIES', and chose λ at the top of a grid to 2); PEFT's

@@ -15,49 +15,84 @@ outlier of the tensor's importances:
 them. mergekit draws those quantiles from a sample of 10^6 entries (with replacement,
 unseeded) where a tensor is larger; here they are the exact ones over every entry, so the
 merge is deterministic. Applied at λ = 1; it has no settings.
+
+The importances are computed on the host in numpy, a row's from that row alone, so a streamed
+merge scores a tensor a block of whole rows at a time with the same bits, finds the quartiles
+with the one ranking engine (`editing.cuts`) and keeps the same entries (`selection`).
 """
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
 from merging import ops
+from merging import sparsity
 
-EPS = 1e-8
+EPS = np.float32(1e-8)
 QUARTILES = (0.25, 0.5, 0.75)
 
 
-def importance(rows: jax.Array, base_rows: jax.Array) -> jax.Array:
-  """s of each entry of the (rows, entries) fine-tuned and base weights."""
-  p = jax.nn.softmax(rows, axis=-1) + EPS
-  q = jax.nn.softmax(base_rows, axis=-1) + EPS
-  divergence = jnp.sum(p * jnp.log(p / q), axis=-1, keepdims=True)
-  return jnp.abs(rows - base_rows) * divergence
+def _softmax(rows: np.ndarray) -> np.ndarray:
+  shifted = np.exp(rows - rows.max(axis=-1, keepdims=True))
+  return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def threshold(scores: jax.Array) -> jax.Array:
-  """median + 1.5·IQR of `scores`, by mergekit's quantile index ⌊q·(n − 1)⌋."""
-  ordered = jnp.sort(scores.ravel())
-  q1, median, q3 = (ordered[int(q * (ordered.size - 1))] for q in QUARTILES)
-  return median + 1.5 * (q3 - q1)
+def importance(rows: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
+  """s of each entry of the (rows, entries) fine-tuned and base weights, in float32."""
+  p = _softmax(rows) + EPS
+  q = _softmax(base_rows) + EPS
+  divergence = np.sum(p * np.log(p / q), axis=-1, keepdims=True)
+  return np.abs(rows - base_rows) * divergence
 
 
-def merge(task_vectors: Sequence[TaskVector], *, theta0) -> TaskVector:
-  """τ_m = τ_1 ⊙ [s ≥ threshold(s)] of the one task vector, per tensor."""
+def ranks(n: int) -> list[int]:
+  """Which of n importances the quartiles are, as counts of the largest: the entry at
+  ⌊q·(n − 1)⌋ of the ascending order is the (n − ⌊q·(n − 1)⌋)-th largest."""
+  return [n - int(q * (n - 1)) for q in QUARTILES]
+
+
+def threshold(quartiles: Sequence[float]) -> np.float32:
+  """median + 1.5·IQR of the quartiles (Q1, median, Q3), in float32 as mergekit's tensors."""
+  q1, median, q3 = (np.float32(q) for q in quartiles)
+  return median + np.float32(1.5) * (q3 - q1)
+
+
+def block_importance(theta0: np.ndarray, deltas: Sequence[np.ndarray], row: int) -> np.ndarray:
+  """s of a run of whole rows of `row` entries, flat: θ0's and τ_1's entries (float32)."""
+  base_rows = theta0.reshape(-1, row)
+  return importance(base_rows + deltas[0].reshape(-1, row), base_rows).ravel()
+
+
+def selection() -> sparsity.Scores:
+  """What Arcee Fusion keeps of a tensor (`merging.Method.scores`): the importances at or above
+  the threshold of their quartiles."""
+  return sparsity.Scores(block_importance, ranks=ranks, threshold=threshold, rows=True)
+
+
+def merge(task_vectors: Sequence[TaskVector], *, theta0, selected: dict | None = None
+          ) -> TaskVector:
+  """τ_m = τ_1 ⊙ [s ≥ threshold(s)] of the one task vector, per tensor; `selected`, each
+  leaf's mask where found beforehand (a streamed block's, of its whole tensor)."""
   check_compatible(task_vectors, 'arcee_fusion')
   common.check_one_model(task_vectors, 'arcee_fusion')
+  if selected is not None:
+    return common.merged(task_vectors, tree_lib.map_with_path(
+        lambda path, d: jnp.where(selected[path], d, 0.0), task_vectors[0].delta))
   base = tree_lib.flatten(theta0)
   views = ops.matrices(task_vectors[0].delta)
 
-  def fused(path: str, d: jax.Array) -> jax.Array:
-    d = jnp.asarray(d, jnp.float32)
-    x0 = jnp.asarray(base[path], jnp.float32)
-    scores = importance(ops.rows(views[path], x0 + d), ops.rows(views[path], x0))
-    kept = jnp.where(scores >= threshold(scores), ops.rows(views[path], d), 0.0)
-    return ops.from_rows(views[path], kept, d.shape)
+  def fused(path: str, d) -> np.ndarray:
+    d = np.asarray(d, np.float32)
+    x0 = np.asarray(base[path], np.float32)
+    rows = lambda x: np.asarray(ops.rows(views[path], x))
+    scores = importance(rows(x0 + d), rows(x0))
+    ordered = np.sort(scores.ravel())
+    bound = threshold([ordered[ordered.size - k] for k in ranks(ordered.size)])
+    return np.asarray(ops.from_rows(views[path], np.where(scores >= bound, rows(d), 0.0),
+                                    d.shape))
 
   return common.merged(task_vectors, tree_lib.map_with_path(fused, task_vectors[0].delta))

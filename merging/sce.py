@@ -35,10 +35,11 @@ from merging import ops
 from merging import sparsity
 
 
-def variance(deltas: Sequence[np.ndarray]) -> np.ndarray:
+def variance(theta0, deltas: Sequence[np.ndarray], row=None) -> np.ndarray:
   """Each entry's variance across the T float32 deltas (the population's, as mergekit's
   torch.var(unbiased=False)), in float32 on the host, each entry's from its own T values in a
-  fixed order: the same bits whole or a block at a time."""
+  fixed order: the same bits whole or a block at a time (`sparsity.Scores`)."""
+  del theta0, row  # an entry's variance reads its deltas alone
   count = np.float32(len(deltas))
   mean = functools.reduce(np.add, deltas) / count
   return functools.reduce(np.add, [np.square(d - mean) for d in deltas]) / count
@@ -54,7 +55,7 @@ def selection(select_topk: float) -> sparsity.Scores | None:
   where k keeps every entry."""
   if select_topk >= 1:
     return None
-  return sparsity.Scores(variance, functools.partial(kept_count, select_topk=select_topk))
+  return sparsity.Scores(variance, kept=functools.partial(kept_count, select_topk=select_topk))
 
 
 def energies(deltas: Sequence[jax.Array]) -> jax.Array:
@@ -72,30 +73,30 @@ def merge_leaf(deltas: Sequence[jax.Array], select_topk: float, selected=None,
                totals: jax.Array | None = None, entries=None) -> jax.Array:
   """τ_m of one leaf's T deltas; `selected`, `totals` and `entries`: the selection's mask, the
   energies over it and the leaf's entry count, where a streamed merge found them for its
-  whole tensor beforehand."""
-  stacked = jnp.stack([jnp.asarray(d, jnp.float32) for d in deltas])
+  whole tensor beforehand. Entry by entry over the T arrays, not over their stack: XLA's CPU
+  reductions across a stack's leading axis are an order of magnitude slower."""
+  deltas = [jnp.asarray(d, jnp.float32) for d in deltas]
+  shape = deltas[0].shape
   if selected is None and select_topk < 1:
-    if isinstance(stacked, jax.core.Tracer):
-      variances = jnp.var(stacked, axis=0).ravel()
+    if isinstance(deltas[0], jax.core.Tracer):
+      variances = jnp.var(jnp.stack(deltas), axis=0).ravel()
       count = jnp.floor(jnp.count_nonzero(variances) * select_topk).astype(jnp.int32)
       selected = jnp.argsort(jnp.argsort(-variances, stable=True)) < count
     else:  # ranked on the host by `editing.cuts`, as a streamed merge ranks them
-      variances = variance([np.asarray(d, np.float32).ravel() for d in deltas])
+      variances = variance(None, [np.asarray(d, np.float32).ravel() for d in deltas])
       count = kept_count(np.count_nonzero(variances), select_topk)
       selected = tree_lib.top_k(variances, lambda n: count, 'tensor')
   if selected is not None:
-    stacked = jnp.where(jnp.reshape(selected, stacked.shape[1:]), stacked, 0.0)
-  if totals is None:
-    energy = jnp.mean(stacked.reshape(len(deltas), -1) ** 2, axis=1)
-  else:
-    energy = totals / entries
+    deltas = [jnp.where(jnp.reshape(selected, shape), d, 0.0) for d in deltas]
+  energy = (jnp.stack([jnp.mean(jnp.square(d)) for d in deltas]) if totals is None
+            else totals / entries)
   total = energy.sum()
   weights = jnp.where(total < 1e-6, 1.0 / len(deltas), energy / jnp.where(total < 1e-6, 1.0,
                                                                             total))
-  weights = weights.reshape((-1,) + (1,) * (stacked.ndim - 1))
-  agree = (jnp.sign(stacked) == ops.elect_sign([stacked.sum(axis=0)])) & (stacked != 0)
-  erased = jnp.where(agree, weights, 0.0)
-  return (stacked * erased).sum(axis=0) / jnp.maximum(erased.sum(axis=0), 1e-6)
+  sign = ops.elect_sign(deltas)
+  erased = [jnp.where((jnp.sign(d) == sign) & (d != 0), weights[t], 0.0)
+            for t, d in enumerate(deltas)]
+  return sum(d * e for d, e in zip(deltas, erased)) / jnp.maximum(sum(erased), 1e-6)
 
 
 @settings.declare(

@@ -73,14 +73,22 @@ class Sparsity(NamedTuple):
 
 
 class Scores(NamedTuple):
-  """A selection the vectors share: of a tensor's n entries, the kept(n') largest of a score
-  across the vectors (n' of them non-zero; ties to the earlier entry). score(deltas) computes
-  it on the host from each vector's entries (float32 numpy arrays, a tensor's or a block's,
-  flat), each entry's from its own values: a streamed merge ranks a tensor's scores a block
-  at a time (`editing.cuts`) and finds the same selection as the merge of the whole tensor."""
+  """A selection the vectors share, by a score of each entry across them, in one of two ways:
+  the kept(n') largest of a tensor's scores (n' of them non-zero; ties to the earlier entry:
+  SCE), or every score at or above threshold(values), the values being the k-th largest for
+  each k of ranks(n) (Arcee Fusion's quartiles).
 
-  score: Callable[[list], Any]
-  kept: Callable[[int], int]
+  score(theta0, deltas, row) computes them on the host from θ0's and each vector's entries
+  (float32 numpy arrays, flat: a tensor's, or a block of its whole rows of `row` entries where
+  `rows`), each entry's from its own values or its row's: a streamed merge scores a tensor a
+  block at a time, ranks the scores with the one ranking engine (`editing.cuts`) and keeps
+  what the merge of the whole tensor keeps."""
+
+  score: Callable[[Any, list, int | None], Any]
+  kept: Callable[[int], int] | None = None
+  ranks: Callable[[int], list[int]] | None = None
+  threshold: Callable[[list[float]], float] | None = None
+  rows: bool = False
 
 
 def largest(density: float, scope: str = 'tensor') -> Cut:

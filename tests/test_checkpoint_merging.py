@@ -214,44 +214,46 @@ def test_multislerp_directions_that_cancel_are_refused_by_the_tensors_name(tmp_p
 
 def ranked_by_blocks(monkeypatch) -> list:
   """Blocks of 64 entries, and every tensor of 256 or more ranked by passes over its blocks;
-  returns the list of the chunk starts of each such ranking."""
+  returns the list of how many chunks each select's passes read."""
   monkeypatch.setattr(pipeline, 'BLOCK', 64)
   monkeypatch.setattr(ranking, 'HELD', 256)
-  starts = []
-  original = cuts.whole_cut
-  monkeypatch.setattr(cuts, 'whole_cut',
-                      lambda selection, at, chunk: starts.append(list(at)) or original(
-                          selection, at, chunk))
-  return starts
+  chunks = []
+  original = cuts.select
+  monkeypatch.setattr(cuts, 'select', lambda passes, *args: chunks.append(
+      sum(1 for _ in passes())) or original(passes, *args))
+  return chunks
 
 
 @pytest.mark.parametrize('dtype', [np.float32, ml_dtypes.bfloat16], ids=['fp32', 'bf16'])
-@pytest.mark.parametrize('name', ['ties', 'ties_per_model', 'breadcrumbs', 'sce'])
+@pytest.mark.parametrize('name', ['ties', 'ties_per_model', 'breadcrumbs', 'sce',
+                                  'arcee_fusion'])
 def test_tensors_ranked_a_block_at_a_time_equal_the_in_memory_merge(tmp_path, monkeypatch,
                                                                     name, dtype):
   """Every tensor of 256 entries or more ranked by a select whose passes read it a block at a
-  time: the same masks (SCE's of its variances, within its energies' rounding)."""
-  starts = ranked_by_blocks(monkeypatch)
+  time: the same masks (SCE's of its variances, within its energies' rounding; Arcee
+  Fusion's of its importances, its quartiles selected so)."""
+  chunks = ranked_by_blocks(monkeypatch)
   base, models = fixture(str(tmp_path), dtype, shard_bytes=3000)
+  models = fixed_count(name, models)
   out = str(tmp_path / 'out')
   checkpoints.merge(base, models, out, PLANS[name])
   streamed = reference.read_output(out)
   for n, x in reference.in_memory(base, models, PLANS[name]).items():
     assert_merged_equal(name, streamed[n], x, n)
-  assert any(len(s) > 1 for s in starts), 'no tensor was ranked a block at a time'
+  assert any(n > 1 for n in chunks), 'no tensor was ranked a block at a time'
 
 
 def test_a_count_keeping_none_or_all_reads_no_magnitude(tmp_path, monkeypatch):
   """Breadcrumbs dropping none of the smallest ranks only its top count; TIES keeping
   everything ranks nothing: the same bits as the in-memory merge either way."""
-  starts = ranked_by_blocks(monkeypatch)
+  chunks = ranked_by_blocks(monkeypatch)
   base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
   breadcrumbs = checkpoints.Plan('breadcrumbs', {'top': 0.05, 'bottom': 0.0})
   checkpoints.merge(base, models, str(tmp_path / 'breadcrumbs'), breadcrumbs)
   streamed = reference.read_output(str(tmp_path / 'breadcrumbs'))
   for n, x in reference.in_memory(base, models, breadcrumbs).items():
     np.testing.assert_array_equal(bits(streamed[n]), bits(x), err_msg=n)
-  assert any(len(s) > 1 for s in starts), 'no tensor was ranked a block at a time'
+  assert any(n > 1 for n in chunks), 'no tensor was ranked a block at a time'
 
   def unread(*args):
     raise AssertionError('magnitudes read for a count that keeps every entry')

@@ -242,10 +242,11 @@ class Plan:
 
   @property
   def whole_tensor(self) -> bool:
-    """Whether each tensor is merged whole, op by op: the method reads a tensor whole (an SVD,
-    a cosine), or it ranks what its draws left, which the merge of the whole tensor draws and
+    """Whether each tensor is merged whole, op by op: the method reads a tensor whole (an SVD)
+    where no pass of sums or scores over its blocks serves, or it ranks what its draws left, which the merge of the whole tensor draws and
     ranks as the in-memory merge does. Decided for the whole model, whatever varies by layer."""
-    return self.entry is not None and (self.entry.whole_tensor and self.sums is None or any(
+    return self.entry is not None and (self.entry.whole_tensor and self.sums is None
+                                       and self.entry.scores is None or any(
         s.draw is not None and s.cut is not None for s in self._sparsities))
 
   @property

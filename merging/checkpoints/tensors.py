@@ -68,12 +68,10 @@ class TensorMerge:
       state['copy'] = True  # integer buffers (position ids, masks) are not weights
     elif self.plan.whole_tensor:  # decided for the whole model, whatever varies by layer
       state['merged'] = self._merge_whole(name, shape, plan)
+    elif self.plan.entry.scores is not None:
+      state.update(self._scored(name, shape, dtype, plan))
     elif self.plan.sums is not None:
-      if self.plan.entry.scores is not None:
-        state['entries'] = np.float32(size)
-        if plan.scores is not None:
-          state['selection'] = self._selection(name, size, dtype, plan.scores)
-      state['totals'] = self._totals(name, size, dtype, plan.scores, state.get('selection'))
+      state['totals'], _ = self._totals(name, size, dtype)
       if self.plan.entry.check_sums is not None:
         self.plan.entry.check_sums(state['totals'], name, plan.weights)
     elif plan.ranked:
@@ -129,39 +127,74 @@ class TensorMerge:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
     return buffers
 
+  def _scored(self, name: str, shape: tuple[int, ...], dtype: np.dtype,
+              plan: plan_lib.Plan) -> dict:
+    """What the blocks of a method that scores entries (`merging.Method.scores`) read: the cut
+    of the tensor's scores it keeps (`selection`), in blocks of whole rows where they are
+    scored by rows (`row`); with sums, those over what it keeps and the entry count. A tensor
+    whose rows no block holds is merged whole."""
+    scores, size = plan.scores, math.prod(shape)
+    found = {}
+    if scores is not None and scores.rows:
+      found['row'] = ops.row_length(name, shape)
+      if found['row'] is None or found['row'] > pipeline.BLOCK:
+        return {'merged': self._merge_whole(name, shape, plan)}
+    if scores is not None:
+      found['selection'] = self._selection(name, size, dtype, scores, found.get('row'))
+    if self.plan.sums is not None:
+      found['entries'] = np.float32(size)
+      found['totals'], found['masks'] = self._totals(name, size, dtype, scores,
+                                                     found.get('selection'), found.get('row'))
+    return found
+
   def _totals(self, name: str, size: int, dtype: np.dtype, scores=None,
-              selection: cuts.Cut | None = None) -> np.ndarray:
+              selection: cuts.Cut | None = None, row: int | None = None) -> tuple:
     """The method's sums over the tensor `name` (`merging.Method.sums`; of the entries its
     `selection` keeps, where it selects), by a pass over its blocks, each block's added on the
-    host in float64 (the same bits on any device count)."""
-    total = 0.0
-    for start, stop in pipeline.blocks(size):
+    host in float64 (the same bits on any device count); and the masks of the selection that
+    pass computed, by each block's first entry, a bit an entry (np.packbits), which the merge
+    of the block reads instead of scoring it again (None where nothing is selected)."""
+    total, masks = 0.0, None if selection is None else {}
+    for start, stop in _row_blocks(size, row):
       buffers = self._read_checked(name, start, stop, dtype)
-      selected = (None if selection is None
-                  else _selected_block(scores, selection, buffers, start, stop))
+      selected = None
+      if selection is not None:
+        selected = _selected_block(scores, selection, buffers, start, stop, row)
+        masks[start] = np.packbits(selected)
       total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:], selected),
                                  np.float64)
-    return np.asarray(total, np.float32)
+    return np.asarray(total, np.float32), masks
 
-  def _selection(self, name: str, size: int, dtype: np.dtype,
-                 scores: sparsity.Scores) -> cuts.Cut:
+  def _selection(self, name: str, size: int, dtype: np.dtype, scores: sparsity.Scores,
+                 row: int | None) -> cuts.Cut:
     """The cut of the tensor's scores that the method keeps (`sparsity.Scores`), ranked on the
-    host by `editing.cuts` from its blocks' scores: held whole where the tensor is small, else
-    by passes over its blocks (a count of its non-zero scores, then the select's)."""
-    spans = pipeline.blocks(size)
+    host by `editing.cuts` from its blocks' scores (of whole rows of `row`, where given): held
+    whole where the tensor is small, else by passes over its blocks (for a count of the largest,
+    one that counts the non-zero scores, then the select's)."""
+    spans = _row_blocks(size, row)
 
     def chunk(i: int) -> np.ndarray:
       start, stop = spans[i]
-      return _block_scores(scores, self._read_checked(name, start, stop, dtype), stop - start)
+      return _block_scores(scores, self._read_checked(name, start, stop, dtype), stop - start,
+                           row)
 
-    if size < ranking.HELD:
-      held = np.concatenate([chunk(i) for i in range(len(spans))])
+    held = np.concatenate([chunk(i) for i in range(len(spans))]) if size < ranking.HELD else None
+    chunks = (lambda: [held]) if held is not None else lambda: map(chunk, range(len(spans)))
+    if scores.threshold is not None:  # every score at or above a bound of some of their values
+      counts = scores.ranks(size)
+      ranked = [k for k in counts if 0 < k < size]
+      found = dict(zip(ranked, cuts.select(chunks, np.float32, size, ranked))) if ranked else {}
+      # The n-th largest, the smallest, is no count to select: the least of every chunk's.
+      values = [found[k].value if k in found else min(c.min() for c in chunks())
+                for k in counts]
+      return cuts.Cut(scores.threshold(values), size - 1)
+    if held is not None:
       return cuts.largest_cut(held, scores.kept(np.count_nonzero(held)))
-    kept = scores.kept(sum(np.count_nonzero(chunk(i)) for i in range(len(spans))))
+    kept = scores.kept(sum(np.count_nonzero(c) for c in chunks()))
     fixed = cuts.fixed_cut(size, kept)
     if fixed is not None:
       return fixed
-    selection, = cuts.select(lambda: map(chunk, range(len(spans))), np.float32, size, [kept])
+    selection, = cuts.select(chunks, np.float32, size, [kept])
     return cuts.whole_cut(selection, [start for start, _ in spans], chunk)
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
@@ -197,8 +230,11 @@ class TensorMerge:
     with self.phases.timed('read'):
       buffers = self._read_checked(name, start, stop, state['dtype'])
     block_cuts = draws = selected = None
-    if 'selection' in state:
-      selected = _selected_block(state['plan'].scores, state['selection'], buffers, start, stop)
+    if state.get('masks'):  # each block is merged once: its mask is not held past it
+      selected = np.unpackbits(state['masks'].pop(start), count=buffers[0].size).view(bool)
+    elif 'selection' in state:
+      selected = _selected_block(state['plan'].scores, state['selection'], buffers, start, stop,
+                                 state.get('row'))
     if 'draws' in state:
       # Each block is merged once: its masks drawn beforehand are not held past it.
       drawn = state['drawn'].pop(start) if state['drawn'] else None
@@ -300,18 +336,20 @@ def _block_sums(plan: plan_lib.Plan, base: jax.Array, thetas: list,
   return plan.sums(theta0, deltas)
 
 
-def _block_scores(scores: sparsity.Scores, buffers: list, size: int) -> np.ndarray:
+def _block_scores(scores: sparsity.Scores, buffers: list, size: int,
+                  row: int | None) -> np.ndarray:
   """The scores of a block's `size` entries (`sparsity.Scores`) from its read buffers."""
-  return scores.score([pipeline.host_delta(theta[:size], buffers[0][:size])
-                       for theta in buffers[1:]])
+  theta0 = buffers[0][:size].astype(np.float32, copy=False)
+  return scores.score(theta0, [pipeline.host_delta(theta[:size], buffers[0][:size])
+                               for theta in buffers[1:]], row)
 
 
 def _selected_block(scores: sparsity.Scores, selection: cuts.Cut, buffers: list, start: int,
-                    stop: int) -> np.ndarray:
+                    stop: int, row: int | None) -> np.ndarray:
   """What the tensor's `selection` (its cut of the scores) keeps of the block [start, stop),
   computed on the host from the block's scores, padded with False to the block's width."""
   mask = np.zeros(buffers[0].size, bool)
-  mask[:stop - start] = cuts.cut_mask(_block_scores(scores, buffers, stop - start),
+  mask[:stop - start] = cuts.cut_mask(_block_scores(scores, buffers, stop - start, row),
                                       cuts.Cut(selection.threshold, selection.last - start))
   return mask
 
