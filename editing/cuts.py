@@ -212,7 +212,7 @@ def largest_cuts(values: np.ndarray, kept: Sequence[int]) -> list[Cut]:
   if ranked:
     starts = range(0, values.size, _CHUNK)
     chunk = lambda i: values[starts[i]:starts[i] + _CHUNK]
-    sample = values[::_prime_at_least(values.size >> 16)] if values.size >= _SAMPLED else None
+    sample = values[::sample_stride(values.size)] if values.size >= _SAMPLED else None
     selections = select(lambda: map(chunk, range(len(starts))), values.dtype, values.size,
                         [kept[i] for i in ranked], sample)
     for i, selection in zip(ranked, selections):
@@ -222,6 +222,12 @@ def largest_cuts(values: np.ndarray, kept: Sequence[int]) -> list[Cut]:
 
 _CHUNK = 1 << 18
 _SAMPLED = 1 << 20
+
+
+def sample_stride(size: int) -> int:
+  """The stride of an even sample of about 2^16 of `size` entries: a prime, so that no row
+  length aligns with it."""
+  return _prime_at_least(size >> 16)
 
 
 def _prime_at_least(k: int) -> int:

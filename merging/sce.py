@@ -42,7 +42,11 @@ def variance(theta0, deltas: Sequence[np.ndarray], row=None) -> np.ndarray:
   del theta0, row  # an entry's variance reads its deltas alone
   count = np.float32(len(deltas))
   mean = functools.reduce(np.add, deltas) / count
-  return functools.reduce(np.add, [np.square(d - mean) for d in deltas]) / count
+  total, term = np.zeros_like(mean), np.empty_like(mean)
+  for d in deltas:  # in place: a block's temporaries stay in the cache
+    np.square(np.subtract(d, mean, out=term), out=term)
+    total += term
+  return np.divide(total, count, out=total)
 
 
 def kept_count(nonzero: int, select_topk: float) -> int:

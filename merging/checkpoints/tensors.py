@@ -139,38 +139,46 @@ class TensorMerge:
       found['row'] = ops.row_length(name, shape)
       if found['row'] is None or found['row'] > pipeline.BLOCK:
         return {'merged': self._merge_whole(name, shape, plan)}
+    held = None
     if scores is not None:
-      found['selection'] = self._selection(name, size, dtype, scores, found.get('row'))
+      found['selection'], held = self._selection(name, size, dtype, scores, found.get('row'))
     if self.plan.sums is not None:
       found['entries'] = np.float32(size)
       found['totals'], found['masks'] = self._totals(name, size, dtype, scores,
-                                                     found.get('selection'), found.get('row'))
+                                                     found.get('selection'), found.get('row'),
+                                                     held)
     return found
 
   def _totals(self, name: str, size: int, dtype: np.dtype, scores=None,
-              selection: cuts.Cut | None = None, row: int | None = None) -> tuple:
+              selection: cuts.Cut | None = None, row: int | None = None,
+              held: np.ndarray | None = None) -> tuple:
     """The method's sums over the tensor `name` (`merging.Method.sums`; of the entries its
-    `selection` keeps, where it selects), by a pass over its blocks, each block's added on the
-    host in float64 (the same bits on any device count); and the masks of the selection that
-    pass computed, by each block's first entry, a bit an entry (np.packbits), which the merge
-    of the block reads instead of scoring it again (None where nothing is selected)."""
+    `selection` keeps, where it selects, from the tensor's scores `held` where given), by a
+    pass over its blocks, each block's added on the host in float64 (the same bits on any
+    device count); and the masks of the selection that pass computed, by each block's first
+    entry, a bit an entry (np.packbits), which the merge of the block reads instead of scoring
+    it again (None where nothing is selected)."""
     total, masks = 0.0, None if selection is None else {}
     for start, stop in _row_blocks(size, row):
       buffers = self._read_checked(name, start, stop, dtype)
       selected = None
       if selection is not None:
-        selected = _selected_block(scores, selection, buffers, start, stop, row)
+        selected = np.zeros(buffers[0].size, bool)
+        selected[:stop - start] = cuts.cut_mask(
+            _block_scores(scores, buffers, stop - start, row) if held is None
+            else held[start:stop], cuts.Cut(selection.threshold, selection.last - start))
         masks[start] = np.packbits(selected)
       total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:], selected),
                                  np.float64)
     return np.asarray(total, np.float32), masks
 
   def _selection(self, name: str, size: int, dtype: np.dtype, scores: sparsity.Scores,
-                 row: int | None) -> cuts.Cut:
+                 row: int | None) -> tuple[cuts.Cut, np.ndarray | None]:
     """The cut of the tensor's scores that the method keeps (`sparsity.Scores`), ranked on the
-    host by `editing.cuts` from its blocks' scores (of whole rows of `row`, where given): held
-    whole where the tensor is small, else by passes over its blocks (for a count of the largest,
-    one that counts the non-zero scores, then the select's)."""
+    host by `editing.cuts` from its blocks' scores (of whole rows of `row`, where given), and
+    the scores where they were held whole (a small tensor); a large one is ranked by passes
+    over its blocks, the first of which counts its non-zero scores and samples them, so that
+    the select may need one pass more, not two."""
     spans = _row_blocks(size, row)
 
     def chunk(i: int) -> np.ndarray:
@@ -178,24 +186,34 @@ class TensorMerge:
       return _block_scores(scores, self._read_checked(name, start, stop, dtype), stop - start,
                            row)
 
-    held = np.concatenate([chunk(i) for i in range(len(spans))]) if size < ranking.HELD else None
-    chunks = (lambda: [held]) if held is not None else lambda: map(chunk, range(len(spans)))
+    if size < ranking.HELD:
+      held = np.concatenate([chunk(i) for i in range(len(spans))])
+      chunks, sample, nonzero = (lambda: [held]), None, np.count_nonzero(held)
+    else:
+      held, chunks, samples, nonzero = None, lambda: map(chunk, range(len(spans))), [], 0
+      stride = cuts.sample_stride(size)
+      for i, (start, _) in enumerate(spans):
+        values = chunk(i)
+        nonzero += np.count_nonzero(values)
+        samples.append(values[-start % stride::stride].copy())
+      sample = np.concatenate(samples)
     if scores.threshold is not None:  # every score at or above a bound of some of their values
       counts = scores.ranks(size)
       ranked = [k for k in counts if 0 < k < size]
-      found = dict(zip(ranked, cuts.select(chunks, np.float32, size, ranked))) if ranked else {}
+      found = (dict(zip(ranked, cuts.select(chunks, np.float32, size, ranked, sample)))
+               if ranked else {})
       # The n-th largest, the smallest, is no count to select: the least of every chunk's.
       values = [found[k].value if k in found else min(c.min() for c in chunks())
                 for k in counts]
-      return cuts.Cut(scores.threshold(values), size - 1)
+      return cuts.Cut(scores.threshold(values), size - 1), held
+    kept = scores.kept(nonzero)
     if held is not None:
-      return cuts.largest_cut(held, scores.kept(np.count_nonzero(held)))
-    kept = scores.kept(sum(np.count_nonzero(c) for c in chunks()))
+      return cuts.largest_cut(held, kept), held
     fixed = cuts.fixed_cut(size, kept)
     if fixed is not None:
-      return fixed
-    selection, = cuts.select(chunks, np.float32, size, [kept])
-    return cuts.whole_cut(selection, [start for start, _ in spans], chunk)
+      return fixed, None
+    selection, = cuts.select(chunks, np.float32, size, [kept], sample)
+    return cuts.whole_cut(selection, [start for start, _ in spans], chunk), None
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
     """A tensor merged whole, op by op under its own name (an SVD merge; a ranking of what
