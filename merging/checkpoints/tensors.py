@@ -139,34 +139,39 @@ class TensorMerge:
       found['row'] = ops.row_length(name, shape)
       if found['row'] is None or found['row'] > pipeline.BLOCK:
         return {'merged': self._merge_whole(name, shape, plan)}
-    held = None
     if scores is not None:
       found['selection'], held = self._selection(name, size, dtype, scores, found.get('row'))
+      if held is not None:  # its masks made now: no block is scored again
+        found['masks'] = {start: np.packbits(_block_mask(held[start:stop], found['selection'],
+                                                         start))
+                          for start, stop in _row_blocks(size, found.get('row'))}
     if self.plan.sums is not None:
       found['entries'] = np.float32(size)
       found['totals'], found['masks'] = self._totals(name, size, dtype, scores,
                                                      found.get('selection'), found.get('row'),
-                                                     held)
+                                                     found.get('masks'))
     return found
 
   def _totals(self, name: str, size: int, dtype: np.dtype, scores=None,
               selection: cuts.Cut | None = None, row: int | None = None,
-              held: np.ndarray | None = None) -> tuple:
+              masks: dict | None = None) -> tuple:
     """The method's sums over the tensor `name` (`merging.Method.sums`; of the entries its
-    `selection` keeps, where it selects, from the tensor's scores `held` where given), by a
-    pass over its blocks, each block's added on the host in float64 (the same bits on any
-    device count); and the masks of the selection that pass computed, by each block's first
-    entry, a bit an entry (np.packbits), which the merge of the block reads instead of scoring
-    it again (None where nothing is selected)."""
-    total, masks = 0.0, None if selection is None else {}
+    `selection` keeps, where it selects), by a pass over its blocks, each block's added on the
+    host in float64 (the same bits on any device count); and the masks of the selection, by
+    each block's first entry, a bit an entry (np.packbits): `masks` where given, else made by
+    this pass, which the merge of each block reads instead of scoring it again (None where
+    nothing is selected)."""
+    total = 0.0
+    if selection is not None and masks is None:
+      masks = {}
     for start, stop in _row_blocks(size, row):
       buffers = self._read_checked(name, start, stop, dtype)
       selected = None
-      if selection is not None:
-        selected = np.zeros(buffers[0].size, bool)
-        selected[:stop - start] = cuts.cut_mask(
-            _block_scores(scores, buffers, stop - start, row) if held is None
-            else held[start:stop], cuts.Cut(selection.threshold, selection.last - start))
+      if start in (masks or {}):
+        selected = np.unpackbits(masks[start], count=pipeline.BLOCK).view(bool)
+      elif selection is not None:
+        selected = _block_mask(_block_scores(scores, buffers, stop - start, row), selection,
+                               start)
         masks[start] = np.packbits(selected)
       total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:], selected),
                                  np.float64)
@@ -249,10 +254,10 @@ class TensorMerge:
       buffers = self._read_checked(name, start, stop, state['dtype'])
     block_cuts = draws = selected = None
     if state.get('masks'):  # each block is merged once: its mask is not held past it
-      selected = np.unpackbits(state['masks'].pop(start), count=buffers[0].size).view(bool)
+      selected = np.unpackbits(state['masks'].pop(start), count=pipeline.BLOCK).view(bool)
     elif 'selection' in state:
-      selected = _selected_block(state['plan'].scores, state['selection'], buffers, start, stop,
-                                 state.get('row'))
+      selected = _block_mask(_block_scores(state['plan'].scores, buffers, stop - start,
+                                           state.get('row')), state['selection'], start)
     if 'draws' in state:
       # Each block is merged once: its masks drawn beforehand are not held past it.
       drawn = state['drawn'].pop(start) if state['drawn'] else None
@@ -362,13 +367,12 @@ def _block_scores(scores: sparsity.Scores, buffers: list, size: int,
                                for theta in buffers[1:]], row)
 
 
-def _selected_block(scores: sparsity.Scores, selection: cuts.Cut, buffers: list, start: int,
-                    stop: int, row: int | None) -> np.ndarray:
-  """What the tensor's `selection` (its cut of the scores) keeps of the block [start, stop),
-  computed on the host from the block's scores, padded with False to the block's width."""
-  mask = np.zeros(buffers[0].size, bool)
-  mask[:stop - start] = cuts.cut_mask(_block_scores(scores, buffers, stop - start, row),
-                                      cuts.Cut(selection.threshold, selection.last - start))
+def _block_mask(values: np.ndarray, selection: cuts.Cut, start: int) -> np.ndarray:
+  """What the tensor's `selection` (its cut of the scores) keeps of the block of scores
+  `values` from entry `start` on, padded with False to a block's width."""
+  mask = np.zeros(pipeline.BLOCK, bool)
+  mask[:values.size] = cuts.cut_mask(values, cuts.Cut(selection.threshold,
+                                                      selection.last - start))
   return mask
 
 
