@@ -95,7 +95,7 @@ class Method:
   # (the masks of its cuts) and `dropped` (the vectors after its draws).
   sparsity: Callable[..., sparsity_lib.Sparsity] | None = None
   # Whether a streamed merge must hold each tensor whole (an SVD, a cosine over it), unless
-  # `sums` says how it streams.
+  # `sums` or `scores` says how it streams.
   whole_tensor: bool = False
   # A method that reads a tensor whole only through sums over its entries (norms, dot
   # products): sums(**settings) gives sums(theta0, deltas) of a leaf (a float32 array, None
@@ -253,7 +253,7 @@ REGISTRY: dict[str, Method] = {
     'extract': Method(extract.merge, vectors=1, scaled=False, writes='delta'),
     'arcee_fusion': Method(arcee_fusion.merge, vectors=1, reads=('theta0',), scaled=False,
                            whole_tensor=True, elementwise=False,
-                           scores=lambda **_: arcee_fusion.selection(),
+                           scores=arcee_fusion.selection,
                            mergekit={'arcee_fusion': Translation({})}),
     # LoRA-space merges: KnOTS aligns the adapters by one SVD per kernel (its merge is a
     # disjoint mean, like TIES', and chose λ at the top of a grid to 2); PEFT's

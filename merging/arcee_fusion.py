@@ -67,9 +67,9 @@ def block_importance(theta0: np.ndarray, deltas: Sequence[np.ndarray], row: int)
   return importance(base_rows + deltas[0].reshape(-1, row), base_rows).ravel()
 
 
-def selection() -> sparsity.Scores:
-  """What Arcee Fusion keeps of a tensor (`merging.Method.scores`): the importances at or above
-  the threshold of their quartiles."""
+def selection(**_) -> sparsity.Scores:
+  """What Arcee Fusion keeps of a tensor (`merging.Method.scores`; it has no settings): the
+  importances at or above the threshold of their quartiles."""
   return sparsity.Scores(block_importance, ranks=ranks, threshold=threshold, rows=True)
 
 

@@ -19,6 +19,10 @@ A `Sparsity` is, applied in this order,
 The merge function takes what a streamed merge found beforehand as keyword arguments: `keep`,
 each vector's masks of its cut (a pytree of booleans per vector), and `dropped`, each vector's
 τ̃ after its draw; without them it finds them itself, from the same declaration.
+
+A method may instead keep what all its vectors share by a score of each entry across them
+(SCE's variances, Arcee Fusion's importances): it declares `scores(**settings) -> Scores`, and
+its merge takes the mask a streamed merge found as `selected`.
 """
 
 from typing import Any, Callable, NamedTuple

@@ -2,7 +2,7 @@
 calls, a block at a time by one jitted program, or whole (a method that reads a tensor whole;
 one that ranks what its draws left), with what the method declares it keeps of each vector
 (`merging.sparsity`) found beforehand: the cuts of its ranked masks, its draws' keys and
-norms."""
+norms, the selection its scores make."""
 
 import concurrent.futures
 import functools
