@@ -196,6 +196,28 @@ def whole_cut(selection: Selection, starts: Sequence[int],
   return Cut(found.threshold, starts[last] + found.last)
 
 
+def chunked_cuts(chunk: Callable[[int], np.ndarray], starts: Sequence[int], dtype, size: int,
+                 kept: Sequence[int], sample: np.ndarray | None = None) -> list[Cut]:
+  """The cut of each count in `kept` (from 1 to `size` − 1) of the `size` entries of an array
+  read a chunk at a time, chunk i by `chunk(i)`, from entry `starts[i]` on: `select`, then the
+  chunk whose ties it keeps last read again (`whole_cut`)."""
+  selections = select(lambda: map(chunk, range(len(starts))), dtype, size, kept, sample)
+  return [whole_cut(selection, starts, chunk) for selection in selections]
+
+
+def largest_values(passes: Callable[[], Iterable[np.ndarray]], dtype, size: int,
+                   counts: Sequence[int], sample: np.ndarray | None = None) -> list[float]:
+  """The k-th largest of the `size` entries of the chunks each call of `passes()` yields, for
+  each k in `counts` (from 1 to `size`): by `select`, the smallest (k = `size`) by a pass of
+  its own."""
+  ranked = sorted({k for k in counts if k < size})
+  found = dict(zip(ranked, (selection.value for selection in
+                            select(passes, dtype, size, ranked, sample)))) if ranked else {}
+  if size in counts:
+    found[size] = min(chunk.min() for chunk in passes())
+  return [found[k] for k in counts]
+
+
 def largest_cut(values: np.ndarray, kept: int) -> Cut:
   """The cut of the `kept` largest of a 1-D numpy array, exactly as a stable descending
   argsort keeps them (none for kept ≤ 0, every non-NaN entry for kept ≥ the size); NaN ranks
@@ -211,12 +233,11 @@ def largest_cuts(values: np.ndarray, kept: Sequence[int]) -> list[Cut]:
   ranked = [i for i, cut in enumerate(found) if cut is None]
   if ranked:
     starts = range(0, values.size, _CHUNK)
-    chunk = lambda i: values[starts[i]:starts[i] + _CHUNK]
     sample = values[::sample_stride(values.size)] if values.size >= _SAMPLED else None
-    selections = select(lambda: map(chunk, range(len(starts))), values.dtype, values.size,
-                        [kept[i] for i in ranked], sample)
-    for i, selection in zip(ranked, selections):
-      found[i] = whole_cut(selection, starts, chunk)
+    for i, cut in zip(ranked, chunked_cuts(lambda i: values[starts[i]:starts[i] + _CHUNK],
+                                           starts, values.dtype, values.size,
+                                           [kept[i] for i in ranked], sample)):
+      found[i] = cut
   return found
 
 

@@ -17,8 +17,9 @@ unseeded) where a tensor is larger; here they are the exact ones over every entr
 merge is deterministic. Applied at λ = 1; it has no settings.
 
 The importances are computed on the host in numpy, a row's from that row alone, so a streamed
-merge scores a tensor a block of whole rows at a time with the same bits, finds the quartiles
-with the one ranking engine (`editing.cuts`) and keeps the same entries (`selection`).
+merge scores a tensor a block of whole rows at a time with the same bits (each row's divergence
+computed in its first pass and kept), finds the quartiles with the one ranking engine
+(`editing.cuts`), as the merge in memory does, and keeps the same entries (`selection`).
 """
 
 from typing import Sequence
@@ -26,6 +27,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from editing import cuts
 from editing import tree as tree_lib
 from editing.task_vector import TaskVector, check_compatible
 from merging import common
@@ -41,12 +43,21 @@ def _softmax(rows: np.ndarray) -> np.ndarray:
   return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def importance(rows: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
-  """s of each entry of the (rows, entries) fine-tuned and base weights, in float32."""
+def divergence(rows: np.ndarray, base_rows: np.ndarray) -> np.ndarray:
+  """KL(p_i ‖ q_i) of each row of the (rows, entries) fine-tuned and base weights, in
+  float32."""
   p = _softmax(rows) + EPS
   q = _softmax(base_rows) + EPS
-  divergence = np.sum(p * np.log(p / q), axis=-1, keepdims=True)
-  return np.abs(rows - base_rows) * divergence
+  return np.sum(p * np.log(p / q), axis=-1)
+
+
+def importance(rows: np.ndarray, base_rows: np.ndarray,
+               divergences: np.ndarray | None = None) -> np.ndarray:
+  """s of each entry of the (rows, entries) fine-tuned and base weights, in float32; with
+  `divergences`, their rows' KL(p_i ‖ q_i) found before."""
+  if divergences is None:
+    divergences = divergence(rows, base_rows)
+  return np.abs(rows - base_rows) * divergences[:, None]
 
 
 def ranks(n: int) -> list[int]:
@@ -61,16 +72,27 @@ def threshold(quartiles: Sequence[float]) -> np.float32:
   return median + np.float32(1.5) * (q3 - q1)
 
 
-def block_importance(theta0: np.ndarray, deltas: Sequence[np.ndarray], row: int) -> np.ndarray:
-  """s of a run of whole rows of `row` entries, flat: θ0's and τ_1's entries (float32)."""
+def block_divergence(theta0: np.ndarray, deltas: Sequence[np.ndarray], row: int) -> np.ndarray:
+  """KL(p_i ‖ q_i) of each of a run of whole rows of `row` entries: θ0's and τ_1's entries
+  (float32, flat)."""
   base_rows = theta0.reshape(-1, row)
-  return importance(base_rows + deltas[0].reshape(-1, row), base_rows).ravel()
+  return divergence(base_rows + deltas[0].reshape(-1, row), base_rows)
+
+
+def block_importance(theta0: np.ndarray, deltas: Sequence[np.ndarray], row: int,
+                     divergences: np.ndarray | None = None) -> np.ndarray:
+  """s of a run of whole rows of `row` entries, flat: θ0's and τ_1's entries (float32); with
+  `divergences`, the rows' `block_divergence` found before."""
+  base_rows = theta0.reshape(-1, row)
+  return importance(base_rows + deltas[0].reshape(-1, row), base_rows, divergences).ravel()
 
 
 def selection(**_) -> sparsity.Scores:
   """What Arcee Fusion keeps of a tensor (`merging.Method.scores`; it has no settings): the
-  importances at or above the threshold of their quartiles."""
-  return sparsity.Scores(block_importance, ranks=ranks, threshold=threshold, rows=True)
+  importances at or above the threshold of their quartiles, each row's divergence computed
+  once."""
+  return sparsity.Scores(block_importance, ranks=ranks, threshold=threshold, rows=True,
+                         per_row=block_divergence)
 
 
 def merge(task_vectors: Sequence[TaskVector], *, theta0, selected: dict | None = None
@@ -90,8 +112,8 @@ def merge(task_vectors: Sequence[TaskVector], *, theta0, selected: dict | None =
     x0 = np.asarray(base[path], np.float32)
     rows = lambda x: np.asarray(ops.rows(views[path], x))
     scores = importance(rows(x0 + d), rows(x0))
-    ordered = np.sort(scores.ravel())
-    bound = threshold([ordered[ordered.size - k] for k in ranks(ordered.size)])
+    bound = threshold(cuts.largest_values(lambda: [scores.ravel()], np.float32, scores.size,
+                                          ranks(scores.size)))
     return np.asarray(ops.from_rows(views[path], np.where(scores >= bound, rows(d), 0.0),
                                     d.shape))
 

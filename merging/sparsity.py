@@ -86,13 +86,17 @@ class Scores(NamedTuple):
   (float32 numpy arrays, flat: a tensor's, or a block of its whole rows of `row` entries where
   `rows`), each entry's from its own values or its row's: a streamed merge scores a tensor a
   block at a time, ranks the scores with the one ranking engine (`editing.cuts`) and keeps
-  what the merge of the whole tensor keeps."""
+  what the merge of the whole tensor keeps. Where the scores read a value of each row that
+  costs more than the rest (Arcee Fusion's divergence), `per_row(theta0, deltas, row)` gives
+  those values and score(theta0, deltas, row, values) takes them: a streamed merge computes
+  them in its first pass over a tensor and keeps them (one number a row) for the others."""
 
-  score: Callable[[Any, list, int | None], Any]
+  score: Callable[..., Any]
   kept: Callable[[int], int] | None = None
   ranks: Callable[[int], list[int]] | None = None
   threshold: Callable[[list[float]], float] | None = None
   rows: bool = False
+  per_row: Callable[[Any, list, int], Any] | None = None
 
 
 def largest(density: float, scope: str = 'tensor') -> Cut:

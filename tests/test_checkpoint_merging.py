@@ -14,6 +14,7 @@ import merging
 from editing import cuts
 from editing.errors import UserError
 from editing.models import hf
+from merging import arcee_fusion
 from merging import checkpoints
 from merging import lines
 from merging import ops
@@ -241,6 +242,22 @@ def test_tensors_ranked_a_block_at_a_time_equal_the_in_memory_merge(tmp_path, mo
   for n, x in reference.in_memory(base, models, PLANS[name]).items():
     assert_merged_equal(name, streamed[n], x, n)
   assert any(n > 1 for n in chunks), 'no tensor was ranked a block at a time'
+
+
+def test_arcee_fusion_computes_each_rows_divergence_once_over_its_passes(tmp_path, monkeypatch):
+  """Ranked by passes, a tensor's scores are read three times or more (sample, select, merge),
+  but the two softmaxes of a row, the costly part of its scores, once: in the first pass."""
+  ranked_by_blocks(monkeypatch)
+  base, models = fixture(str(tmp_path), np.float32, shard_bytes=3000)
+  rows = []
+  divergence = arcee_fusion.divergence
+  monkeypatch.setattr(arcee_fusion, 'divergence',
+                      lambda tuned, base_rows: rows.append(len(tuned)) or divergence(tuned,
+                                                                                     base_rows))
+  checkpoints.merge(base, models[:1], str(tmp_path / 'out'), PLANS['arcee_fusion'])
+  # A (outputs, inputs) matrix's rows; a vector is one row.
+  assert sum(rows) == sum(x.shape[0] if x.ndim == 2 else 1
+                          for x in llama_tensors(0, np.float32).values())
 
 
 def test_a_count_keeping_none_or_all_reads_no_magnitude(tmp_path, monkeypatch):

@@ -146,10 +146,10 @@ class TensorRanking:
         sample = np.concatenate([
             self.magnitudes(name, model, c * step, c * step + min(_CLUSTER, step)).copy()
             for c in range(_CLUSTERS)])
-        selections = cuts.select(lambda: map(chunk, range(len(spans))), np.float32, size,
-                                 [kept[j] for j in todo], sample)
-        for j, selection in zip(todo, selections):
-          found[j] = cuts.whole_cut(selection, [start for start, _ in spans], chunk)
+        for j, cut in zip(todo, cuts.chunked_cuts(chunk, [start for start, _ in spans],
+                                                  np.float32, size, [kept[j] for j in todo],
+                                                  sample)):
+          found[j] = cut
       return tuple(found)
 
     return list(self.pool.map(ranked, range(len(self.tuned))))

@@ -2,7 +2,7 @@
 calls, a block at a time by one jitted program, or whole (a method that reads a tensor whole;
 one that ranks what its draws left), with what the method declares it keeps of each vector
 (`merging.sparsity`) found beforehand: the cuts of its ranked masks, its draws' keys and
-norms, the selection its scores make."""
+norms, the selection its scores make (`scored`)."""
 
 import concurrent.futures
 import functools
@@ -20,11 +20,11 @@ from editing.errors import UserError
 from editing.models import hf
 from editing.task_vector import TaskVector
 from merging import ops
-from merging import sparsity
 from merging.checkpoints import layered
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 from merging.checkpoints import ranking
+from merging.checkpoints import scored
 
 _LEAF = 'tensor'  # the name of the one leaf a block's jitted merge sees
 
@@ -48,6 +48,7 @@ class TensorMerge:
     # the caller plans them (over each slice's, `sliced.positions`).
     self.positions = positions or (layered.positions(list(base.files)) if plan.layered else {})
     self.phases = pipeline.Phases()
+    self.finite = set()  # the blocks (name, first entry) whose inputs were checked finite
     # Where the blocks go to an accelerator (or over several devices), they are put there
     # first, so that the transfer is timed apart from the merge; one CPU device reads the
     # aligned buffers in place.
@@ -89,7 +90,7 @@ class TensorMerge:
   @staticmethod
   def spans(state: dict, size: int) -> list[tuple[int, int]]:
     """The blocks a tensor is merged in: each of whole rows where its draws read rows."""
-    return _row_blocks(size, state.get('row'))
+    return scored.row_blocks(size, state.get('row'))
 
   def _draws(self, name: str, size: int, dtype: np.dtype, plan: plan_lib.Plan,
              row: int | None) -> tuple:
@@ -108,7 +109,7 @@ class TensorMerge:
     # the same bits on any device count.
     norms = np.zeros((len(self.tuned), 2))
     drawn = {}
-    for start, stop in _row_blocks(size, row):
+    for start, stop in scored.row_blocks(size, row):
       buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                     dtype)
       magnitudes = [np.abs(pipeline.host_delta(theta, buffers[0])) for theta in buffers[1:]]
@@ -119,106 +120,62 @@ class TensorMerge:
     return keys, ops.l1_factor(*jnp.asarray(norms.T, jnp.float32)), drawn
 
   def _read_checked(self, name: str, start: int, stop: int, dtype: np.dtype) -> list:
-    """`pipeline.read_block` of every input, refused where it holds a NaN or an infinity: in a
-    pass before the first block merges, one would make every block's sums NaN."""
+    """`pipeline.read_block` of every input, refused where it holds a NaN or an infinity (in a
+    pass before the first block merges, one would make every block's sums NaN), in the first
+    pass that reads the block; the merge's, the last, forgets it."""
     buffers = pipeline.read_block([self.base] + self.tuned, name, start, stop, pipeline.BLOCK,
                                   dtype)
-    if not self.plan.allow_nonfinite:
+    if not self.plan.allow_nonfinite and (name, start) not in self.finite:
       _check_finite(self.plan, name, self.paths, [np.isfinite(x).all() for x in buffers])
+      self.finite.add((name, start))
     return buffers
 
   def _scored(self, name: str, shape: tuple[int, ...], dtype: np.dtype,
               plan: plan_lib.Plan) -> dict:
     """What the blocks of a method that scores entries (`merging.Method.scores`) read: the cut
-    of the tensor's scores it keeps (`selection`), in blocks of whole rows where they are
-    scored by rows (`row`); with sums, those over what it keeps and the entry count. A tensor
-    whose rows no block holds is merged whole."""
-    scores, size = plan.scores, math.prod(shape)
-    found = {}
-    if scores is not None and scores.rows:
-      found['row'] = ops.row_length(name, shape)
-      if found['row'] is None or found['row'] > pipeline.BLOCK:
+    of the tensor's scores it keeps (`selection`; `scores`, which score a block again), in
+    blocks of whole rows where they are scored by rows (`row`), and each block's mask of it
+    where made beforehand (`masks`); with sums, those over what it keeps and the entry count.
+    A tensor whose rows no block holds is merged whole."""
+    size, found = math.prod(shape), {}
+    if plan.scores is not None:
+      row = ops.row_length(name, shape) if plan.scores.rows else None
+      if plan.scores.rows and (row is None or row > pipeline.BLOCK):
         return {'merged': self._merge_whole(name, shape, plan)}
-    if scores is not None:
-      found['selection'], held = self._selection(name, size, dtype, scores, found.get('row'))
-      if held is not None:  # its masks made now: no block is scored again
-        found['masks'] = {start: np.packbits(_block_mask(held[start:stop], found['selection'],
-                                                         start))
-                          for start, stop in _row_blocks(size, found.get('row'))}
+      found['row'] = row
+      found['scores'] = scored.TensorScores(
+          plan.scores, lambda start, stop: self._read_checked(name, start, stop, dtype), size,
+          row)
+      found['selection'], found['masks'] = found['scores'].selection()
     if self.plan.sums is not None:
       found['entries'] = np.float32(size)
-      found['totals'], found['masks'] = self._totals(name, size, dtype, scores,
-                                                     found.get('selection'), found.get('row'),
+      found['totals'], found['masks'] = self._totals(name, size, dtype, found.get('scores'),
+                                                     found.get('selection'),
                                                      found.get('masks'))
     return found
 
-  def _totals(self, name: str, size: int, dtype: np.dtype, scores=None,
-              selection: cuts.Cut | None = None, row: int | None = None,
+  def _totals(self, name: str, size: int, dtype: np.dtype,
+              scores: scored.TensorScores | None = None, selection: cuts.Cut | None = None,
               masks: dict | None = None) -> tuple:
     """The method's sums over the tensor `name` (`merging.Method.sums`; of the entries its
-    `selection` keeps, where it selects), by a pass over its blocks, each block's added on the
-    host in float64 (the same bits on any device count); and the masks of the selection, by
-    each block's first entry, a bit an entry (np.packbits): `masks` where given, else made by
-    this pass, which the merge of each block reads instead of scoring it again (None where
-    nothing is selected)."""
+    `selection` of the `scores` keeps, where it selects), by a pass over its blocks, each
+    block's added on the host in float64 (the same bits on any device count); and the masks of
+    the selection, by each block's first entry, packed: `masks` where given, else made by this
+    pass, which the merge of each block reads instead of scoring it again (None where nothing
+    is selected)."""
     total = 0.0
     if selection is not None and masks is None:
       masks = {}
-    for start, stop in _row_blocks(size, row):
+    for start, stop in scores.spans if scores is not None else pipeline.blocks(size):
       buffers = self._read_checked(name, start, stop, dtype)
       selected = None
-      if start in (masks or {}):
-        selected = np.unpackbits(masks[start], count=pipeline.BLOCK).view(bool)
-      elif selection is not None:
-        selected = _block_mask(_block_scores(scores, buffers, stop - start, row), selection,
-                               start)
-        masks[start] = np.packbits(selected)
+      if selection is not None:
+        if start not in masks:
+          masks[start] = np.packbits(scores.mask(start, stop, buffers, selection))
+        selected = scored.unpacked(masks[start])
       total = total + np.asarray(_block_sums(self.plan, buffers[0], buffers[1:], selected),
                                  np.float64)
     return np.asarray(total, np.float32), masks
-
-  def _selection(self, name: str, size: int, dtype: np.dtype, scores: sparsity.Scores,
-                 row: int | None) -> tuple[cuts.Cut, np.ndarray | None]:
-    """The cut of the tensor's scores that the method keeps (`sparsity.Scores`), ranked on the
-    host by `editing.cuts` from its blocks' scores (of whole rows of `row`, where given), and
-    the scores where they were held whole (a small tensor); a large one is ranked by passes
-    over its blocks, the first of which counts its non-zero scores and samples them, so that
-    the select may need one pass more, not two."""
-    spans = _row_blocks(size, row)
-
-    def chunk(i: int) -> np.ndarray:
-      start, stop = spans[i]
-      return _block_scores(scores, self._read_checked(name, start, stop, dtype), stop - start,
-                           row)
-
-    if size < ranking.HELD:
-      held = np.concatenate([chunk(i) for i in range(len(spans))])
-      chunks, sample, nonzero = (lambda: [held]), None, np.count_nonzero(held)
-    else:
-      held, chunks, samples, nonzero = None, lambda: map(chunk, range(len(spans))), [], 0
-      stride = cuts.sample_stride(size)
-      for i, (start, _) in enumerate(spans):
-        values = chunk(i)
-        nonzero += np.count_nonzero(values)
-        samples.append(values[-start % stride::stride].copy())
-      sample = np.concatenate(samples)
-    if scores.threshold is not None:  # every score at or above a bound of some of their values
-      counts = scores.ranks(size)
-      ranked = [k for k in counts if 0 < k < size]
-      found = (dict(zip(ranked, cuts.select(chunks, np.float32, size, ranked, sample)))
-               if ranked else {})
-      # The n-th largest, the smallest, is no count to select: the least of every chunk's.
-      values = [found[k].value if k in found else min(c.min() for c in chunks())
-                for k in counts]
-      return cuts.Cut(scores.threshold(values), size - 1), held
-    kept = scores.kept(nonzero)
-    if held is not None:
-      return cuts.largest_cut(held, kept), held
-    fixed = cuts.fixed_cut(size, kept)
-    if fixed is not None:
-      return fixed, None
-    selection, = cuts.select(chunks, np.float32, size, [kept], sample)
-    return cuts.whole_cut(selection, [start for start, _ in spans], chunk), None
 
   def _merge_whole(self, name: str, shape: tuple[int, ...], plan: plan_lib.Plan) -> np.ndarray:
     """A tensor merged whole, op by op under its own name (an SVD merge; a ranking of what
@@ -252,12 +209,12 @@ class TensorMerge:
       return state['merged'][start:stop]
     with self.phases.timed('read'):
       buffers = self._read_checked(name, start, stop, state['dtype'])
+    self.finite.discard((name, start))
     block_cuts = draws = selected = None
     if state.get('masks'):  # each block is merged once: its mask is not held past it
-      selected = np.unpackbits(state['masks'].pop(start), count=pipeline.BLOCK).view(bool)
+      selected = scored.unpacked(state['masks'].pop(start))
     elif 'selection' in state:
-      selected = _block_mask(_block_scores(state['plan'].scores, buffers, stop - start,
-                                           state.get('row')), state['selection'], start)
+      selected = state['scores'].mask(start, stop, buffers, state['selection'])
     if 'draws' in state:
       # Each block is merged once: its masks drawn beforehand are not held past it.
       drawn = state['drawn'].pop(start) if state['drawn'] else None
@@ -359,23 +316,6 @@ def _block_sums(plan: plan_lib.Plan, base: jax.Array, thetas: list,
   return plan.sums(theta0, deltas)
 
 
-def _block_scores(scores: sparsity.Scores, buffers: list, size: int,
-                  row: int | None) -> np.ndarray:
-  """The scores of a block's `size` entries (`sparsity.Scores`) from its read buffers."""
-  theta0 = buffers[0][:size].astype(np.float32, copy=False)
-  return scores.score(theta0, [pipeline.host_delta(theta[:size], buffers[0][:size])
-                               for theta in buffers[1:]], row)
-
-
-def _block_mask(values: np.ndarray, selection: cuts.Cut, start: int) -> np.ndarray:
-  """What the tensor's `selection` (its cut of the scores) keeps of the block of scores
-  `values` from entry `start` on, padded with False to a block's width."""
-  mask = np.zeros(pipeline.BLOCK, bool)
-  mask[:values.size] = cuts.cut_mask(values, cuts.Cut(selection.threshold,
-                                                      selection.last - start))
-  return mask
-
-
 def _spread(plan: plan_lib.Plan, magnitudes: list[np.ndarray], row: int | None) -> list | None:
   """Each model's keep probabilities of a block of whole rows of `row` (then padding, kept)
   whose |τ| are `magnitudes`, where its draw spreads them over the row's ranks (else None);
@@ -407,12 +347,6 @@ def _keep_probability(draw, spread: list | None, model: int):
   """Model `model`'s keep probability in a block: its own per entry where its draw spreads it
   over rows (`_spread`), else 1 − p (a constant in the program, as in the in-memory merge)."""
   return 1 - draw.p if spread is None or spread[model] is None else spread[model]
-
-
-def _row_blocks(size: int, row: int | None) -> list[tuple[int, int]]:
-  """`pipeline.blocks` of a tensor, each the most whole rows of `row` a block holds (where
-  given)."""
-  return pipeline.blocks(size, pipeline.BLOCK - pipeline.BLOCK % row if row else None)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -18,7 +18,9 @@ models it takes (SLERP and the one-model methods fewer), and the floors they are
               with its output's relative error against the same method's full SVDs
 
 They run in turn, each `runs` times over (the machine's noise moves all of them; the floor's
-first read may also find a cold page cache), and each reports its fastest run. The table
+first read may also find a cold page cache), and each reports its fastest run. Each output is
+removed once measured (the 1B fixture's are 2.5 GB each), or, where a sketch's error is
+measured against it, at the end. The table
 reports wall time, its ratio to the floor of the same inputs, the GB it read and wrote a
 second, peak RSS and its ratio to the largest tensor's size (and a sketch's error), then where
 each merge's time went (read, to_device, compute, from_device, write; prepare: the rankings,
@@ -29,6 +31,7 @@ flat spectra are a sketch's hardest case: a fine-tune's decaying spectrum is fou
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -255,11 +258,15 @@ def run(config, workdir: str, shape: dict | None = None, runs: int | None = None
   fixture = hf.Checkpoint(base)
   largest = max(math.prod(shape) * dtype.itemsize
                 for shape, dtype in map(fixture.header, fixture.files))
-  results = {}
+  results, errors = {}, {}
   runs_of = {n: min(c.runs, runs or c.runs) for n, c in cases.items()}
+  merged = lambda case: os.path.join(workdir, 'checkpoint_merged', case)
+  # Each output is removed once measured (a 1B fixture's is 2.5 GB), but those an approximate
+  # case is measured against, removed at the end.
+  exact = {c.exact for c in cases.values() if c.exact}
   for repeat in range(max(runs_of.values())):
     for name in [n for n in cases if repeat < runs_of[n]]:
-      output = os.path.join(workdir, 'checkpoint_merged', name)
+      output = merged(name)
       code = ('import json, sys; from merging.jobs import checkpoint_benchmark as b; print('
               'json.dumps(b.measure(*sys.argv[1:3], sys.argv[3].split(","), sys.argv[4])))')
       proc = subprocess.run([sys.executable, '-c', code, name, base, ','.join(models), output],
@@ -269,6 +276,12 @@ def run(config, workdir: str, shape: dict | None = None, runs: int | None = None
       measured = json.loads(proc.stdout.strip().splitlines()[-1])
       if name not in results or measured['seconds'] < results[name]['seconds']:
         results[name] = measured
+      if repeat == runs_of[name] - 1 and cases[name].exact:
+        errors[name] = relative_error(output, merged(cases[name].exact), base)
+      if name not in exact:
+        shutil.rmtree(output)
+  for name in exact:
+    shutil.rmtree(merged(name))
   lines = ['case                     models   wall s   × floor    GB/s   peak RSS MB   '
            '× largest tensor   error']
   for name, r in results.items():
@@ -277,9 +290,8 @@ def run(config, workdir: str, shape: dict | None = None, runs: int | None = None
     r['floor_ratio'] = r['seconds'] / results[f'floor_{models_merged}']['seconds']
     r['largest_tensor_ratio'] = r['peak_rss_bytes'] / largest
     error = ''
-    if cases[name].exact:
-      merged = lambda case: os.path.join(workdir, 'checkpoint_merged', case)
-      r['error'] = relative_error(merged(name), merged(cases[name].exact), base)
+    if name in errors:
+      r['error'] = errors[name]
       error = f'{r["error"]:8.2e}'
     r['gb_per_second'] = r['bytes_moved'] / r['seconds'] / 1e9
     lines.append(f'{name:24} {models_merged:6} {r["seconds"]:8.1f} {r["floor_ratio"]:9.2f} '

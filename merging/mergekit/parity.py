@@ -12,10 +12,11 @@ bfloat16). The table reports each output's largest difference from mergekit's, a
 of their Σ |θ − θ0| (a random method, DARE or DELLA, draws other masks than mergekit's: its
 outputs agree only in distribution, so that ratio is its measure). mergekit is not a
 dependency: it is run as the command given; tests/fixtures/mergekit/ holds its outputs of
-these recipes on a tiny model.
+these recipes on a tiny model. Both outputs of a recipe are removed once compared.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -147,6 +148,8 @@ def run(config, workdir: str) -> dict:
                                      f'--config.mergekit={yaml_path}', f'--config.output={ours}',
                                      '--config.overwrite=True', f'--workdir={directory}']),
         **compare(base, ours, theirs)}
+    for output in (theirs, ours):  # a 1B fixture's are 2.5 GB each
+      shutil.rmtree(output)
   lines = ['recipe              max |editmerge − mergekit|    Σ|Δ| ratio   editmerge s   '
            'mergekit s']
   for name, r in results.items():
