@@ -91,6 +91,19 @@ def test_select_finds_each_count_in_one_set_of_passes(entries, chunk_sizes, data
   assert len(passes) == 2, 'float32 is two 16-bit digits: two passes, whatever the counts'
 
 
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.lists(st.floats(-4, 4, width=32).map(lambda x: round(x, 1)), min_size=1,
+                           max_size=200), st.integers(1, 4), st.data())
+def test_largest_values_are_the_sorted_entries_at_their_counts(entries, pieces, data):
+  """The k-th largest for each k from 1 to n (the smallest among them), counts repeated and in
+  any order, over uneven chunks, many of the values tied: np.sort's entry at n − k."""
+  values = np.array(entries, np.float32)
+  chunks = [c for c in np.array_split(values, pieces) if c.size]
+  counts = data.draw(st.lists(st.integers(1, values.size), min_size=1, max_size=5))
+  found = cuts.largest_values(lambda: iter(chunks), np.float32, values.size, counts)
+  assert found == [np.sort(values)[values.size - k] for k in counts]
+
+
 def test_keys_order_as_the_values_do():
   """Every bfloat16 bit pattern: its key's order is the values' order, −0 equal to +0, and
   every NaN above +∞."""
