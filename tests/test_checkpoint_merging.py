@@ -217,7 +217,7 @@ def ranked_by_blocks(monkeypatch) -> list:
   """Blocks of 64 entries, and every tensor of 256 or more ranked by passes over its blocks;
   returns the list of how many chunks each select's passes read."""
   monkeypatch.setattr(pipeline, 'BLOCK', 64)
-  monkeypatch.setattr(ranking, 'HELD', 256)
+  monkeypatch.setattr(ranking, 'HELD', 255)
   chunks = []
   original = cuts.select
   monkeypatch.setattr(cuts, 'select', lambda passes, *args: chunks.append(

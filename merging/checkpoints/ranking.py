@@ -19,8 +19,9 @@ from merging import sparsity
 from merging.checkpoints import pipeline
 from merging.checkpoints import plan as plan_lib
 
-# A tensor of fewer entries is ranked from its magnitudes held whole (read once, each model in a
-# thread of its own); a larger one by passes a block at a time, which hold a block of its
+# A tensor of at most HELD entries (64 MB of float32 magnitudes a model: a 4,096 × 4,096 matrix,
+# or Llama-3.2-1B's MLP matrices) is ranked from its magnitudes held whole (read once, each model
+# in a thread of its own); a larger one by passes a block at a time, which hold a block of its
 # magnitudes, not all of them: one pass where a sample of _CLUSTERS clusters of _CLUSTER
 # contiguous entries (a positioned read each) brackets the kept-th largest, else two.
 HELD = 1 << 24
@@ -135,7 +136,7 @@ class TensorRanking:
       todo = [j for j, cut in enumerate(found) if cut is None]
       if not todo:
         return tuple(found)
-      if size < HELD:
+      if size <= HELD:
         held = self.magnitudes(name, model, 0, size)
         for j, cut in zip(todo, cuts.largest_cuts(held, [kept[j] for j in todo])):
           found[j] = cut

@@ -3,7 +3,7 @@
 rows, where an entry's score reads its row), ranked by the one ranking engine (`editing.cuts`)
 into the cut the method keeps, and each block's mask of that cut, packed a bit an entry.
 
-A tensor under `ranking.HELD` entries has its scores held whole, read once, and every block's
+A tensor of at most `ranking.HELD` entries has its scores held whole, read once, and every block's
 mask made at once; a larger one is ranked by passes over its blocks (holding a block of scores,
 not all of them), the first of which counts its non-zero scores, samples them and keeps what the
 scores declare of each row (`Scores.per_row`), so that the select may need one pass more, not
@@ -66,7 +66,7 @@ class TensorScores:
     def chunk(i: int) -> np.ndarray:
       return self.of(*spans[i], self.read(*spans[i]))
 
-    if size < ranking.HELD:
+    if size <= ranking.HELD:
       held = np.concatenate([chunk(i) for i in range(len(spans))])
       passes, sample, nonzero = (lambda: [held]), None, np.count_nonzero(held)
     else:
