@@ -44,8 +44,7 @@ class TensorScores:
   def of(self, start: int, stop: int, buffers: list) -> np.ndarray:
     """The scores of entries [start, stop), from their read buffers."""
     theta0 = buffers[0][:stop - start].astype(np.float32, copy=False)
-    deltas = [pipeline.host_delta(theta[:stop - start], buffers[0][:stop - start])
-              for theta in buffers[1:]]
+    deltas = [pipeline.host_delta(theta[:stop - start], theta0) for theta in buffers[1:]]
     if self.scores.per_row is None:
       return self.scores.score(theta0, deltas, self.row)
     if start not in self.per_row:
